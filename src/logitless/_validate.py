@@ -1,0 +1,181 @@
+"""Input checks shared by the fused head op and the reference.
+
+Every check runs before any FLOP and raises ``ValueError`` naming the argument, what was
+expected and what was given. Checks on tensor *values* (label range, temperature sign) need
+one host sync; that is the price of never returning a silently wrong number.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class HeadArgs:
+    """Normalized arguments of a head call, flattened to rows.
+
+    hidden: [N, H]; labels: [N] int64; temperature: float or [N] fp32 tensor;
+    batch_shape: the leading shape of the caller's ``hidden`` (``labels.shape``).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float | torch.Tensor
+    softcap: float | None
+    head_dtype: torch.dtype
+    batch_shape: torch.Size
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return f"[{', '.join(str(s) for s in t.shape)}]"
+
+
+def _is_dtensor(t: object) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _positive_finite_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return value
+
+
+def check_chunk_size(chunk_size: object) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    return chunk_size
+
+
+def check_head_args(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    softcap: float | None,
+    ignore_index: int,
+    head_dtype: torch.dtype | None,
+) -> HeadArgs:
+    """Validate a head call and return its arguments flattened to rows."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if _is_dtensor(t):
+            raise ValueError(
+                f"{name} is a DTensor; pass the local shard (`.to_local()`) - logitless "
+                "takes plain tensors"
+            )
+    if hidden.dim() < 1 or not hidden.is_floating_point():
+        raise ValueError(
+            f"hidden must be a floating tensor of shape [..., H], got dtype {hidden.dtype} "
+            f"and shape {_fmt_shape(hidden)}"
+        )
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"weight must be a floating [V, H] tensor, got dtype {weight.dtype} and shape "
+            f"{_fmt_shape(weight)}"
+        )
+    vocab, dim = weight.shape
+    if hidden.shape[-1] != dim:
+        raise ValueError(
+            f"hidden's last dimension must equal weight's H={dim} (weight is "
+            f"{_fmt_shape(weight)}), got hidden of shape {_fmt_shape(hidden)}"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have shape {list(hidden.shape[:-1])} (hidden's shape without H), "
+            f"got {_fmt_shape(labels)}"
+        )
+    if labels.dtype not in _INT_DTYPES:
+        raise ValueError(f"labels must be an integer tensor (int64), got dtype {labels.dtype}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    devices = {t.device for t in (hidden, weight, labels, bias) if t is not None}
+    if isinstance(temperature, torch.Tensor):
+        devices.add(temperature.device)
+    if len(devices) > 1:
+        raise ValueError(
+            f"hidden, weight, labels, bias and temperature must be on one device, got "
+            f"{sorted(str(d) for d in devices)}"
+        )
+    if head_dtype is not None and (
+        not isinstance(head_dtype, torch.dtype) or not head_dtype.is_floating_point
+    ):
+        raise ValueError(f"head_dtype must be None or a floating torch.dtype, got {head_dtype!r}")
+    if head_dtype is None and hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, or pass "
+            "head_dtype= to run the projection in one dtype"
+        )
+    if bias is not None:
+        if bias.shape != (vocab,) or not bias.is_floating_point():
+            raise ValueError(
+                f"bias must be a floating tensor of shape [{vocab}] (weight's V), got dtype "
+                f"{bias.dtype} and shape {_fmt_shape(bias)}"
+            )
+        if head_dtype is None and bias.dtype != weight.dtype:
+            raise ValueError(
+                f"bias ({bias.dtype}) and weight ({weight.dtype}) must share a dtype, or pass "
+                "head_dtype="
+            )
+    if softcap is not None:
+        softcap = _positive_finite_float("softcap", softcap)
+
+    flat_labels = labels.reshape(-1)
+    if flat_labels.numel() > 0:
+        bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
+        n_bad = int(bad.sum())
+        if n_bad:
+            first = flat_labels[bad][0].item()
+            raise ValueError(
+                f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}; "
+                f"{n_bad} label(s) are not, e.g. {first}"
+            )
+
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point():
+            raise ValueError(f"temperature tensor must be floating, got dtype {temperature.dtype}")
+        if temperature.requires_grad:
+            raise ValueError(
+                "temperature must not require grad: logitless treats it as a constant and "
+                "returns no gradient for it (detach it first)"
+            )
+        try:
+            torch.broadcast_shapes(temperature.shape, labels.shape)
+            flat_t = temperature.float().expand(labels.shape).reshape(-1)
+        except RuntimeError:
+            raise ValueError(
+                f"temperature of shape {_fmt_shape(temperature)} is not broadcastable to "
+                f"labels' shape {list(labels.shape)}"
+            ) from None
+        if flat_t.numel() and not bool(torch.isfinite(flat_t).all() & (flat_t > 0).all()):
+            raise ValueError("temperature must be finite and > 0 everywhere")
+        temp: float | torch.Tensor = flat_t
+    else:
+        temp = _positive_finite_float("temperature", temperature)
+
+    return HeadArgs(
+        hidden=hidden.reshape(-1, dim),
+        weight=weight,
+        labels=flat_labels.long(),
+        bias=bias,
+        temperature=temp,
+        softcap=softcap,
+        head_dtype=head_dtype if head_dtype is not None else hidden.dtype,
+        batch_shape=labels.shape,
+    )
