@@ -1,0 +1,176 @@
+"""The fused LM-head op: per-token log-probs and entropy without ``[tokens, vocab]`` logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._chunked import HeadOptions, LinearLogprobsFunction, Schedule, forward_rows
+from ._validate import check_chunk_size, check_head_args
+from .types import LogProbs
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    with_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+) -> LogProbs:
+    """Log-probability of each label (and the entropy of each row) straight from hidden states.
+
+    Computes what this plain PyTorch computes, without allocating the ``[..., V]`` logits::
+
+        logits = F.linear(hidden, weight, bias).float()       # head_dtype matmul, fp32 softmax
+        logits = softcap * tanh(logits / softcap)             # if softcap is given
+        logits = logits / temperature
+        logprobs = logits.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+    Rows whose label equals ``ignore_index`` are removed before the projection (no FLOPs, no
+    memory) and get 0.0 with a zero gradient. The logits are processed in tiles of
+    ``[chunk_size, vocab_block]``; backward recomputes each tile, so only ``[rows]``-sized
+    statistics live between forward and backward.
+
+    Args:
+        hidden: ``[..., H]`` final hidden states, fp32 / bf16 / fp16.
+        weight: ``[V, H]`` LM-head (or tied embedding) weight.
+        labels: ``[...]`` integer target ids in ``[0, V)``, or ``ignore_index``.
+        bias: ``[V]`` head bias, or None.
+        temperature: sampling temperature, a float or a tensor broadcastable to ``labels``
+            (per token); treated as a constant (no gradient).
+        softcap: final-logit soft-capping constant ``c`` (Gemma-2): ``c·tanh(z / c)``, applied
+            before the temperature.
+        with_entropy: also return the entropy of each row's distribution (differentiable).
+        ignore_index: label value that marks rows to skip.
+        chunk_size: rows per tile; None picks it from a memory budget (8 MiB fp32 tiles on CPU,
+            256 MiB on accelerators). The result does not depend on it beyond float rounding.
+        head_dtype: dtype the projection runs in, e.g. ``torch.float32`` for a bf16 model
+            (vLLM's fp32 LM head). None: the inputs' dtype.
+
+    Returns:
+        :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape``; entropy is
+        None unless ``with_entropy``. Gradients flow to hidden, weight and bias in their own
+        dtypes, from both outputs.
+
+    Raises:
+        ValueError: on any shape, dtype, device or value problem, before any work.
+
+    Example:
+        >>> import torch, logitless
+        >>> hidden = torch.randn(2, 5, 16, requires_grad=True)
+        >>> weight = torch.randn(100, 16, requires_grad=True)
+        >>> labels = torch.randint(0, 100, (2, 5))
+        >>> labels[:, :2] = -100                                  # prompt tokens
+        >>> out = logitless.linear_logprobs(hidden, weight, labels, with_entropy=True)
+        >>> out.logprobs.shape, out.logprobs.dtype
+        (torch.Size([2, 5]), torch.float32)
+        >>> (out.logprobs.sum() + 0.01 * out.entropy.sum()).backward()
+    """
+    chunk_size = check_chunk_size(chunk_size)
+    if not isinstance(with_entropy, bool):
+        raise ValueError(f"with_entropy must be a bool, got {with_entropy!r}")
+    args = check_head_args(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=temperature,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        head_dtype=head_dtype,
+    )
+    num_tokens = args.labels.numel()
+    valid = args.labels != ignore_index
+    # One host sync: drop ignored rows before any FLOP (skipped when every row is valid).
+    idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+    rows_h, rows_y = args.hidden, args.labels
+    rows_t = args.temperature if isinstance(args.temperature, torch.Tensor) else None
+    if idx is not None:
+        rows_h = rows_h.index_select(0, idx)
+        rows_y = rows_y.index_select(0, idx)
+        rows_t = None if rows_t is None else rows_t.index_select(0, idx)
+
+    opts = HeadOptions(
+        softcap=args.softcap,
+        temperature=None if rows_t is not None else float(args.temperature),
+        with_entropy=with_entropy,
+        head_dtype=args.head_dtype,
+        schedule=Schedule.choose(rows_y.numel(), weight.shape[0], weight.device, chunk_size),
+    )
+    tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+        out = LinearLogprobsFunction.apply(rows_h, weight, bias, rows_y, rows_t, opts)
+        logp, ent = (out if with_entropy else (out, None))
+    else:
+        logp, _, ent, _ = forward_rows(rows_h, weight, bias, rows_y, rows_t, opts)
+
+    def scatter_back(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        if idx is not None:
+            values = values.new_zeros(num_tokens).index_copy(0, idx, values)
+        return values.reshape(args.batch_shape)
+
+    return LogProbs(scatter_back(logp), scatter_back(ent))
+
+
+class LinearLogprobs(nn.Module):
+    """Thin module form of :func:`linear_logprobs`: stores the options, owns no weight.
+
+    ``LinearLogprobs(with_entropy=True)(hidden, weight, labels)`` equals
+    ``linear_logprobs(hidden, weight, labels, with_entropy=True)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        softcap: float | None = None,
+        with_entropy: bool = False,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+        head_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.temperature = temperature
+        self.softcap = softcap
+        self.with_entropy = with_entropy
+        self.ignore_index = ignore_index
+        self.chunk_size = chunk_size
+        self.head_dtype = head_dtype
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        temperature: float | torch.Tensor | None = None,
+    ) -> LogProbs:
+        """Per-call ``temperature`` (e.g. a per-token tensor) overrides the stored one."""
+        return linear_logprobs(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            temperature=self.temperature if temperature is None else temperature,
+            softcap=self.softcap,
+            with_entropy=self.with_entropy,
+            ignore_index=self.ignore_index,
+            chunk_size=self.chunk_size,
+            head_dtype=self.head_dtype,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"temperature={self.temperature}, softcap={self.softcap}, "
+            f"with_entropy={self.with_entropy}, chunk_size={self.chunk_size}, "
+            f"head_dtype={self.head_dtype}"
+        )
