@@ -230,8 +230,10 @@ def backward_rows(
         h = h_all[r0:r1]
         y = labels[r0:r1]
         t_rows = None if temp is None else temp[r0:r1]
-        inv_t = (1.0 / t_rows) if t_rows is not None else torch.full(
-            (r1 - r0,), 1.0 / (opts.temperature or 1.0), device=dev
+        inv_t = (
+            (1.0 / t_rows)
+            if t_rows is not None
+            else torch.full((r1 - r0,), 1.0 / (opts.temperature or 1.0), device=dev)
         )
         lse_c = lse[r0:r1, None]
         g_t = (g_all[r0:r1] * inv_t)[:, None]  # g / T
@@ -311,7 +313,17 @@ class LinearLogprobsFunction(torch.autograd.Function):
         if grad_logp is None and grad_ent is None:
             return None, None, None, None, None, None
         gh, gw, gb = backward_rows(
-            hidden, weight, bias, labels, temp, lse, ent, grad_logp, grad_ent, ctx.opts, needs,
+            hidden,
+            weight,
+            bias,
+            labels,
+            temp,
+            lse,
+            ent,
+            grad_logp,
+            grad_ent,
+            ctx.opts,
+            needs,
             kept,
         )
         return gh, gw, gb, None, None, None

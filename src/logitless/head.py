@@ -107,7 +107,7 @@ def linear_logprobs(
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
         out = LinearLogprobsFunction.apply(rows_h, weight, bias, rows_y, rows_t, opts)
-        logp, ent = (out if with_entropy else (out, None))
+        logp, ent = out if with_entropy else (out, None)
     else:
         logp, _, ent, _ = forward_rows(rows_h, weight, bias, rows_y, rows_t, opts)
 
