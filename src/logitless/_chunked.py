@@ -106,6 +106,15 @@ def _label_slot(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Ten
     return local.clamp(0, width - 1)[:, None], inside
 
 
+def _weight_block(
+    weight: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows [v0, v1) of the head in the projection dtype; cast per block so a bf16 model with an
+    fp32 head never holds a full fp32 copy of the weight."""
+    w = weight[v0:v1].to(dtype)
+    return w, None if bias is None else bias[v0:v1].to(dtype)
+
+
 def _tile_buffer(rows: int, opts: HeadOptions, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.empty(rows * min(opts.schedule.vocab_block, vocab), device=device)
 
@@ -129,8 +138,6 @@ def forward_rows(
     dev = hidden.device
     hd = opts.head_dtype
     h_all = hidden.to(hd)
-    w_all = weight.to(hd)
-    b_all = None if bias is None else bias.to(hd)
     logp = torch.empty(num_rows, device=dev)
     lse = torch.empty(num_rows, device=dev)
     ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
@@ -147,8 +154,8 @@ def forward_rows(
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
             z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-            b = None if b_all is None else b_all[v0:v1]
-            _project(z, h, w_all[v0:v1], b, t_rows, opts)
+            w, b = _weight_block(weight, bias, v0, v1, hd)
+            _project(z, h, w, b, t_rows, opts)
             if keep:
                 kept = z.clone()
             slot, inside = _label_slot(y, v0, v1 - v0)
@@ -207,8 +214,6 @@ def backward_rows(
     hd = opts.head_dtype
     need_h, need_w, need_b = needs
     h_all = hidden.to(hd)
-    w_all = weight.to(hd)
-    b_all = None if bias is None else bias.to(hd)
     rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
     multi_chunk = num_rows > rows_per
     # Accumulate across row chunks in fp32 when the parameter is lower precision.
@@ -242,12 +247,12 @@ def backward_rows(
             coef = g_t + e_t * ent[r0:r1, None]  # (g + e·H) / T
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
+            w, b = _weight_block(weight, bias, v0, v1, hd)
             if kept is not None:
                 z = kept
             else:
                 z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-                b = None if b_all is None else b_all[v0:v1]
-                _project(z, h, w_all[v0:v1], b, t_rows, opts)
+                _project(z, h, w, b, t_rows, opts)
             cap_grad = None
             if opts.softcap is not None:
                 # d softcap(x)/dx = 1 - tanh² = 1 - (z·T / c)²
@@ -268,9 +273,9 @@ def backward_rows(
                 grad_b[v0:v1] += z.sum(dim=0)
             if need_h:
                 if hd == torch.float32:
-                    grad_h[r0:r1].addmm_(dz, w_all[v0:v1])
+                    grad_h[r0:r1].addmm_(dz, w)
                 else:
-                    grad_h[r0:r1] += dz @ w_all[v0:v1]
+                    grad_h[r0:r1] += dz @ w
             if need_w:
                 gw = grad_w[v0:v1]
                 if gw.dtype == dz.dtype:
