@@ -119,6 +119,51 @@ def _tile_buffer(rows: int, opts: HeadOptions, vocab: int, device: torch.device)
     return torch.empty(rows * min(opts.schedule.vocab_block, vocab), device=device)
 
 
+class _OnlineStats:
+    """Running log-sum-exp / entropy statistics of a block of rows across vocab blocks.
+
+    Keeps, per row, the running max ``m``, ``s = Σ exp(z - m)`` and ``q = Σ exp(z - m)·(z - m)``
+    so that ``lse = m + log s`` and ``H = log s - q / s``; also gathers the label logit.
+    """
+
+    def __init__(self, labels: torch.Tensor, with_entropy: bool) -> None:
+        self.labels = labels
+        self.with_entropy = with_entropy
+        self.m = self.s = self.q = self.zy = None
+
+    def update(self, z: torch.Tensor, v0: int, destructive: bool) -> None:
+        """Fold in tile ``z`` [R, Vb] (columns v0...). ``destructive`` lets it overwrite z."""
+        slot, inside = _label_slot(self.labels, v0, z.shape[1])
+        z_lab = z.gather(1, slot).squeeze(1)
+        self.zy = torch.where(inside, z_lab, z_lab.new_zeros(()) if self.zy is None else self.zy)
+        m_blk = z.amax(dim=1)
+        m_new = m_blk if self.m is None else torch.maximum(self.m, m_blk)
+        d = z.sub_(m_new[:, None]) if destructive else z - m_new[:, None]  # z - m_new <= 0
+        if self.with_entropy:
+            e = d.exp()
+            s_blk = e.sum(dim=1)
+            q_blk = torch.bmm(e[:, None, :], d[:, :, None]).view(-1)  # Σ e·(z - m)
+        else:
+            s_blk = d.exp_().sum(dim=1)
+            q_blk = None
+        if self.m is None:
+            self.s, self.q = s_blk, q_blk
+        else:
+            shift = self.m - m_new  # <= 0
+            alpha = shift.exp()
+            if self.with_entropy:
+                self.q = alpha * (self.q + shift * self.s) + q_blk
+            self.s = alpha * self.s + s_blk
+        self.m = m_new
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """logp [R], lse [R], entropy [R] or None."""
+        log_s = self.s.log()
+        lse = self.m + log_s
+        ent = log_s - self.q / self.s if self.with_entropy else None
+        return self.zy - lse, lse, ent
+
+
 def forward_rows(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -147,45 +192,119 @@ def forward_rows(
     buf = _tile_buffer(min(rows_per, num_rows), opts, vocab, dev) if num_rows else None
     for r0 in range(0, num_rows, rows_per):
         r1 = min(r0 + rows_per, num_rows)
-        h = h_all[r0:r1]
-        y = labels[r0:r1]
         t_rows = None if temp is None else temp[r0:r1]
-        m = s = q = zy = None
+        stats = _OnlineStats(labels[r0:r1], opts.with_entropy)
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
             z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
             w, b = _weight_block(weight, bias, v0, v1, hd)
-            _project(z, h, w, b, t_rows, opts)
+            _project(z, h_all[r0:r1], w, b, t_rows, opts)
             if keep:
                 kept = z.clone()
-            slot, inside = _label_slot(y, v0, v1 - v0)
-            z_lab = z.gather(1, slot).squeeze(1)
-            zy = torch.where(inside, z_lab, z_lab.new_zeros(()) if zy is None else zy)
-            m_blk = z.amax(dim=1)
-            m_new = m_blk if m is None else torch.maximum(m, m_blk)
-            z.sub_(m_new[:, None])  # z - m_new, <= 0
-            if opts.with_entropy:
-                e = z.exp()
-                s_blk = e.sum(dim=1)
-                q_blk = torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # Σ e·(z - m)
-            else:
-                s_blk = z.exp_().sum(dim=1)
-                q_blk = None
-            if m is None:
-                s, q = s_blk, q_blk
-            else:
-                shift = m - m_new  # <= 0
-                alpha = shift.exp()
-                if opts.with_entropy:
-                    q = alpha * (q + shift * s) + q_blk
-                s = alpha * s + s_blk
-            m = m_new
-        log_s = s.log()
-        lse[r0:r1] = m + log_s
-        logp[r0:r1] = zy - lse[r0:r1]
+            stats.update(z, v0, destructive=True)
+        logp[r0:r1], lse[r0:r1], ent_c = stats.finish()
         if ent is not None:
-            ent[r0:r1] = log_s - q / s
+            ent[r0:r1] = ent_c
     return logp, lse, ent, kept
+
+
+class _RowGrad:
+    """Upstream-gradient terms of a block of rows, with the 1/T of the temperature folded in.
+
+    g: [R] d/d logp; e: [R] d/d entropy (None if unused); ent: [R] entropy; temp: [R] or None.
+    """
+
+    def __init__(self, g, e, ent, temp, opts: HeadOptions, num_rows: int, device) -> None:
+        if temp is not None:
+            self.inv_t = 1.0 / temp
+        else:
+            self.inv_t = torch.full((num_rows,), 1.0 / (opts.temperature or 1.0), device=device)
+        if g is None:
+            g = torch.zeros(num_rows, device=device)
+        self.g_t = (g * self.inv_t)[:, None]  # g / T
+        self.e_t = self.coef = None
+        if e is not None:
+            self.e_t = (e * self.inv_t)[:, None]  # e / T
+            self.coef = self.g_t + self.e_t * ent[:, None]  # (g + e·H) / T
+
+
+def _tile_to_dz(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    rg: _RowGrad,
+    labels: torch.Tensor,
+    v0: int,
+    opts: HeadOptions,
+) -> torch.Tensor:
+    """Turn transformed logits ``z`` [R, Vb] into d loss / d raw logits, in place.
+
+    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y), then / T and · softcap'(raw).
+    """
+    cap_grad = None
+    if opts.softcap is not None:
+        # d softcap(x)/dx = 1 - tanh² = 1 - (z·T / c)²
+        scale = (1.0 / opts.softcap) / rg.inv_t
+        cap_grad = torch.mul(z, scale[:, None]).square_().neg_().add_(1.0)
+    z.sub_(lse[:, None])  # log p
+    if rg.e_t is not None:
+        p = z.exp()
+        z.mul_(rg.e_t).add_(rg.coef).mul_(p).neg_()  # -p·(g + e·(log p + H)) / T
+    else:
+        z.exp_().mul_(rg.g_t).neg_()  # -p·g / T
+    slot, inside = _label_slot(labels, v0, z.shape[1])
+    z.scatter_add_(1, slot, torch.where(inside, rg.g_t.squeeze(1), 0.0)[:, None])
+    if cap_grad is not None:
+        z.mul_(cap_grad)
+    return z
+
+
+class _GradAccumulator:
+    """Accumulates dh [M, H], dW [V, H] and db [V] tile by tile; returns them in input dtypes.
+
+    The weight gradient accumulates in fp32 when the parameter is lower precision and more than
+    one row chunk contributes; otherwise directly in the parameter's dtype.
+    """
+
+    def __init__(self, hidden, weight, bias, needs, opts: HeadOptions) -> None:
+        num_rows, dim = hidden.shape
+        vocab = weight.shape[0]
+        dev = hidden.device
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.hd = opts.head_dtype
+        need_h, need_w, need_b = needs
+        multi_chunk = num_rows > opts.schedule.rows
+        w_dtype = weight.dtype if weight.dtype == torch.float32 or not multi_chunk else None
+        self.dh = torch.zeros(num_rows, dim, device=dev) if need_h else None
+        self.dw = None
+        if need_w:
+            self.dw = torch.zeros(vocab, dim, device=dev, dtype=w_dtype or torch.float32)
+        self.db = torch.zeros(vocab, device=dev) if need_b and bias is not None else None
+
+    def add(self, dz: torch.Tensor, h: torch.Tensor, w: torch.Tensor, r0: int, v0: int) -> None:
+        """Add tile dz [R, Vb] (fp32) of rows r0... and vocab v0...; h, w in the head dtype."""
+        r1, v1 = r0 + dz.shape[0], v0 + dz.shape[1]
+        if self.db is not None:
+            self.db[v0:v1] += dz.sum(dim=0)
+        dz_h = dz if self.hd == torch.float32 else dz.to(self.hd)
+        if self.dh is not None:
+            if self.hd == torch.float32:
+                self.dh[r0:r1].addmm_(dz_h, w)
+            else:
+                self.dh[r0:r1] += dz_h @ w
+        if self.dw is not None:
+            gw = self.dw[v0:v1]
+            if gw.dtype == dz_h.dtype:
+                gw.addmm_(dz_h.t(), h)
+            else:
+                gw += dz_h.t() @ h
+
+    def result(self):
+        """(dh, dW, db) in hidden's, weight's and bias's dtypes (None where not needed)."""
+        return (
+            None if self.dh is None else self.dh.to(self.hidden.dtype),
+            None if self.dw is None else self.dw.to(self.weight.dtype),
+            None if self.db is None else self.db.to(self.bias.dtype),
+        )
 
 
 def backward_rows(
@@ -208,43 +327,29 @@ def backward_rows(
     needs: which of (hidden, weight, bias) want a gradient. ``kept``: the single tile's
     transformed logits saved by the forward pass; it is consumed (overwritten) here.
     """
-    num_rows, dim = hidden.shape
-    vocab = weight.shape[0]
+    num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     hd = opts.head_dtype
-    need_h, need_w, need_b = needs
-    h_all = hidden.to(hd)
-    rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
-    multi_chunk = num_rows > rows_per
-    # Accumulate across row chunks in fp32 when the parameter is lower precision.
-    acc_w_dtype = weight.dtype if (weight.dtype == torch.float32 or not multi_chunk) else None
-    grad_h = torch.zeros(num_rows, dim, device=dev) if need_h else None
-    grad_w = None
-    if need_w:
-        grad_w = torch.zeros(vocab, dim, device=dev, dtype=acc_w_dtype or torch.float32)
-    grad_b = torch.zeros(vocab, device=dev) if need_b else None
+    acc = _GradAccumulator(hidden, weight, bias, needs, opts)
     if num_rows == 0:
-        return _cast_grads(grad_h, grad_w, grad_b, hidden, weight, bias)
-
-    zero = torch.zeros((), device=dev)
-    g_all = grad_logp if grad_logp is not None else torch.zeros(num_rows, device=dev)
+        return acc.result()
+    h_all = hidden.to(hd)
     use_ent = opts.with_entropy and grad_ent is not None
+    rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
     buf = None if kept is not None else _tile_buffer(min(rows_per, num_rows), opts, vocab, dev)
     for r0 in range(0, num_rows, rows_per):
         r1 = min(r0 + rows_per, num_rows)
         h = h_all[r0:r1]
-        y = labels[r0:r1]
         t_rows = None if temp is None else temp[r0:r1]
-        inv_t = (
-            (1.0 / t_rows)
-            if t_rows is not None
-            else torch.full((r1 - r0,), 1.0 / (opts.temperature or 1.0), device=dev)
+        rg = _RowGrad(
+            None if grad_logp is None else grad_logp[r0:r1],
+            grad_ent[r0:r1] if use_ent else None,
+            ent[r0:r1] if use_ent else None,
+            t_rows,
+            opts,
+            r1 - r0,
+            dev,
         )
-        lse_c = lse[r0:r1, None]
-        g_t = (g_all[r0:r1] * inv_t)[:, None]  # g / T
-        if use_ent:
-            e_t = (grad_ent[r0:r1] * inv_t)[:, None]  # e / T
-            coef = g_t + e_t * ent[r0:r1, None]  # (g + e·H) / T
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
             w, b = _weight_block(weight, bias, v0, v1, hd)
@@ -253,44 +358,8 @@ def backward_rows(
             else:
                 z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
                 _project(z, h, w, b, t_rows, opts)
-            cap_grad = None
-            if opts.softcap is not None:
-                # d softcap(x)/dx = 1 - tanh² = 1 - (z·T / c)²
-                scale = (1.0 / opts.softcap) / inv_t
-                cap_grad = torch.mul(z, scale[:, None]).square_().neg_().add_(1.0)
-            z.sub_(lse_c)  # log p
-            if use_ent:
-                p = z.exp()
-                z.mul_(e_t).add_(coef).mul_(p).neg_()  # -p·(g + e·(log p + H)) / T
-            else:
-                z.exp_().mul_(g_t).neg_()  # -p·g / T
-            slot, inside = _label_slot(y, v0, v1 - v0)
-            z.scatter_add_(1, slot, torch.where(inside, g_t.squeeze(1), zero)[:, None])
-            if cap_grad is not None:
-                z.mul_(cap_grad)
-            dz = z if hd == torch.float32 else z.to(hd)
-            if need_b:
-                grad_b[v0:v1] += z.sum(dim=0)
-            if need_h:
-                if hd == torch.float32:
-                    grad_h[r0:r1].addmm_(dz, w)
-                else:
-                    grad_h[r0:r1] += dz @ w
-            if need_w:
-                gw = grad_w[v0:v1]
-                if gw.dtype == dz.dtype:
-                    gw.addmm_(dz.t(), h)
-                else:
-                    gw += dz.t() @ h
-    return _cast_grads(grad_h, grad_w, grad_b, hidden, weight, bias)
-
-
-def _cast_grads(grad_h, grad_w, grad_b, hidden, weight, bias):
-    return (
-        None if grad_h is None else grad_h.to(hidden.dtype),
-        None if grad_w is None else grad_w.to(weight.dtype),
-        None if grad_b is None or bias is None else grad_b.to(bias.dtype),
-    )
+            acc.add(_tile_to_dz(z, lse[r0:r1], rg, labels[r0:r1], v0, opts), h, w, r0, v0)
+    return acc.result()
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
