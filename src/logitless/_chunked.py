@@ -19,6 +19,7 @@ Everything here works on *valid* rows only: ``head.py`` drops ignored rows befor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,10 @@ _TILE_ELEMS_DEFAULT = 1 << 26
 _MAX_ROWS = {"cpu": 2048}
 _MAX_ROWS_DEFAULT = 8192
 _MIN_VOCAB_BLOCK = 256
+# Elements of the [rows, V] fp32 buffer of the gradient-in-forward (fused) path: 256 MiB on CPU
+# (the weight gradient of a 150k x 512 head is another 300 MiB), 1 GiB on accelerators.
+_CHUNK_ELEMS = {"cpu": 64 << 20}
+_CHUNK_ELEMS_DEFAULT = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ class Schedule:
             rows = chunk_size
         block = min(vocab, max(_MIN_VOCAB_BLOCK, tile // rows))
         return Schedule(rows=rows, vocab_block=max(1, block))
+
+    @staticmethod
+    def choose_fused(
+        num_rows: int, vocab: int, device: torch.device, chunk_size: int | None
+    ) -> Schedule:
+        """Schedule for the gradient-in-forward path, whose row chunk keeps all V logits."""
+        if chunk_size is None:
+            budget = _CHUNK_ELEMS.get(device.type, _CHUNK_ELEMS_DEFAULT)
+            chunk_size = max(1, min(num_rows, budget // vocab))
+        return Schedule.choose(num_rows, vocab, device, chunk_size)
 
     def num_tiles(self, num_rows: int, vocab: int) -> int:
         return -(-num_rows // self.rows) * -(-vocab // self.vocab_block)
@@ -360,6 +375,74 @@ def backward_rows(
                 _project(z, h, w, b, t_rows, opts)
             acc.add(_tile_to_dz(z, lse[r0:r1], rg, labels[r0:r1], v0, opts), h, w, r0, v0)
     return acc.result()
+
+
+GradFn = Callable[
+    [int, int, torch.Tensor, "torch.Tensor | None"],
+    "tuple[torch.Tensor | None, torch.Tensor | None]",
+]
+
+
+def fused_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temp: torch.Tensor | None,
+    opts: HeadOptions,
+    grad_fn: GradFn,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    """Log-probs, entropy and parameter gradients in one pass: three matmuls, no recompute.
+
+    For each row chunk the transformed logits of all V columns stay in one ``[rows, V]`` fp32
+    buffer (stored block by block). Once the chunk's statistics are known,
+    ``grad_fn(r0, r1, logp[r0:r1], entropy[r0:r1])`` returns the upstream gradients
+    ``(d loss/d logp, d loss/d entropy)`` of those rows (each [rows] or None), and the chunk is
+    turned into dz in place and multiplied out while it is still in memory. ``grad_fn`` must
+    only depend on its own rows' values: that is what makes the loss token-local.
+
+    Returns logp [M], entropy [M] or None, and (dh, dW, db) as ``backward_rows`` does.
+    """
+    num_rows, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    hd = opts.head_dtype
+    acc = _GradAccumulator(hidden, weight, bias, needs, opts)
+    logp = torch.empty(num_rows, device=dev)
+    ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
+    if num_rows == 0:
+        return logp, ent, acc.result()
+    h_all = hidden.to(hd)
+    rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
+    chunk_buf = torch.empty(min(rows_per, num_rows) * vocab, device=dev)
+    for r0 in range(0, num_rows, rows_per):
+        r1 = min(r0 + rows_per, num_rows)
+        rows = r1 - r0
+        h, y = h_all[r0:r1], labels[r0:r1]
+        t_rows = None if temp is None else temp[r0:r1]
+
+        def tile(v0: int, v1: int, rows: int = rows) -> torch.Tensor:
+            return chunk_buf[v0 * rows : v1 * rows].view(rows, v1 - v0)
+
+        stats = _OnlineStats(y, opts.with_entropy)
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            w, b = _weight_block(weight, bias, v0, v1, hd)
+            z = _project(tile(v0, v1), h, w, b, t_rows, opts)
+            stats.update(z, v0, destructive=False)
+        logp_c, lse_c, ent_c = stats.finish()
+        logp[r0:r1] = logp_c
+        if ent is not None:
+            ent[r0:r1] = ent_c
+        g_c, e_c = grad_fn(r0, r1, logp_c, ent_c)
+        if e_c is not None and ent_c is None:
+            raise ValueError("grad_fn returned an entropy gradient but with_entropy is False")
+        rg = _RowGrad(g_c, e_c, ent_c, t_rows, opts, rows, dev)
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            w, _ = _weight_block(weight, None, v0, v1, hd)
+            acc.add(_tile_to_dz(tile(v0, v1), lse_c, rg, y, v0, opts), h, w, r0, v0)
+    return logp, ent, acc.result()
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
