@@ -1,0 +1,332 @@
+"""Run every selected method in a fresh subprocess, compute ratios, print and record rows."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from .worker import RESULT_PREFIX
+from .workload import Workload
+
+MIB = 1024 * 1024
+
+CSV_COLUMNS = (
+    "timestamp",
+    "task",
+    "method",
+    "status",
+    "tokens",
+    "hidden",
+    "vocab",
+    "valid_frac",
+    "dtype",
+    "device",
+    "threads",
+    "repeats",
+    "time_p50_s",
+    "time_p20_s",
+    "time_p80_s",
+    "peak_extra_mb",
+    "time_vs_naive",
+    "time_vs_floor3",
+    "time_vs_floor4",
+    "mem_vs_naive",
+    "mem_vs_floor",
+    "mem_floor_mb",
+    "note",
+    "machine",
+    "torch",
+    "logitless",
+)
+
+
+@dataclass
+class Row:
+    """One measured (or skipped / failed) method at one workload, plus its ratios."""
+
+    method: str
+    work: Workload
+    status: str
+    reason: str = ""
+    time_p50_s: float | None = None
+    time_p20_s: float | None = None
+    time_p80_s: float | None = None
+    peak_extra_mb: float | None = None
+    ratios: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the method produced numbers."""
+        return self.status == "ok"
+
+
+def run_method(method: str, work: Workload, timeout_s: float | None = None) -> Row:
+    """Measure ``method`` on ``work`` in a fresh Python subprocess.
+
+    Whatever happens there -- an exception, the OOM killer, a timeout -- comes back as a
+    ``failed`` row with the reason; it never propagates.
+    """
+    spec = json.dumps({"method": method, "workload": work.to_dict()})
+    cmd = [sys.executable, "-m", "logitless.bench.worker", spec]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Row(method, work, "failed", reason=f"timed out after {timeout_s:g} s")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if not lines:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        return Row(method, work, "failed", reason=_exit_reason(proc.returncode) + f": {tail}")
+    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    if result["status"] != "ok":
+        return Row(method, work, result["status"], reason=result["reason"])
+    return Row(
+        method,
+        work,
+        "ok",
+        reason=result.get("note", ""),
+        time_p50_s=result["time_p50_s"],
+        time_p20_s=result["time_p20_s"],
+        time_p80_s=result["time_p80_s"],
+        peak_extra_mb=result["peak_extra_bytes"] / MIB,
+    )
+
+
+def _exit_reason(returncode: int) -> str:
+    """Describe how a worker died (negative return codes are signals; -9 is the OOM killer)."""
+    if returncode == -9:
+        return "killed by SIGKILL (out of memory?)"
+    if returncode < 0:
+        return f"killed by signal {-returncode}"
+    return f"exited with code {returncode} without a result"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, or None when either is missing or den is zero."""
+    if num is None or not den:
+        return None
+    return num / den
+
+
+def add_ratios(rows: Sequence[Row]) -> None:
+    """Fill each ok row's time and memory ratios vs naive, floor3/floor4 and the memory floor.
+
+    Ratios are taken against rows of the same workload in the same run; a missing reference
+    (not selected, failed) leaves the ratio empty.
+    """
+    by_method = {r.method: r for r in rows if r.ok}
+    naive, f3, f4 = (by_method.get(m) for m in ("naive", "floor3", "floor4"))
+    for r in rows:
+        if not r.ok:
+            continue
+        floor_mb = r.work.memory_floor_bytes() / MIB
+        r.ratios = {
+            "time_vs_naive": _ratio(r.time_p50_s, naive and naive.time_p50_s),
+            "time_vs_floor3": _ratio(r.time_p50_s, f3 and f3.time_p50_s),
+            "time_vs_floor4": _ratio(r.time_p50_s, f4 and f4.time_p50_s),
+            "mem_vs_naive": _ratio(r.peak_extra_mb, naive and naive.peak_extra_mb),
+            "mem_vs_floor": _ratio(r.peak_extra_mb, floor_mb),
+        }
+
+
+def progress_line(index: int, total: int, row: Row) -> str:
+    """One line per finished method, for the progress log."""
+    head = f"[{index}/{total}] tokens={row.work.tokens} {row.method}:"
+    if row.ok:
+        return (
+            f"{head} {row.time_p50_s:.4f} s (p20 {row.time_p20_s:.4f}, p80 {row.time_p80_s:.4f}),"
+            f" peak extra {row.peak_extra_mb:.1f} MB"
+        )
+    return f"{head} {row.status} -- {row.reason}"
+
+
+def run_bench(
+    method_names: Sequence[str],
+    workloads: Sequence[Workload],
+    *,
+    log: TextIO,
+    timeout_s: float | None = None,
+) -> list[Row]:
+    """Measure every method at every workload, each in its own subprocess; add ratios."""
+    rows: list[Row] = []
+    total = len(method_names) * len(workloads)
+    for work in workloads:
+        group = []
+        for name in method_names:
+            row = run_method(name, work, timeout_s)
+            group.append(row)
+            print(progress_line(len(rows) + len(group), total, row), file=log, flush=True)
+        add_ratios(group)
+        rows.extend(group)
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    """Format a number, or '-' when missing."""
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Plain-text table of the run: times, peak extra memory and the ratios."""
+    header = (
+        "tokens",
+        "method",
+        "median s",
+        "p20-p80 s",
+        "peak extra MB",
+        "time/naive",
+        "time/floor3",
+        "time/floor4",
+        "mem/naive",
+        "mem/memfloor",
+    )
+    body = []
+    notes = []
+    for r in rows:
+        if r.ok:
+            q = r.ratios
+            body.append(
+                (
+                    str(r.work.tokens),
+                    r.method,
+                    _fmt(r.time_p50_s, ".4f"),
+                    f"{r.time_p20_s:.4f}-{r.time_p80_s:.4f}",
+                    _fmt(r.peak_extra_mb, ".1f"),
+                    *(
+                        _fmt(q.get(k), ".2f")
+                        for k in (
+                            "time_vs_naive",
+                            "time_vs_floor3",
+                            "time_vs_floor4",
+                            "mem_vs_naive",
+                            "mem_vs_floor",
+                        )
+                    ),
+                )
+            )
+            if r.reason:
+                notes.append(f"  {r.method}: {r.reason}")
+        else:
+            body.append((str(r.work.tokens), r.method, r.status, *("-" * 7)))
+            where = f" (tokens={r.work.tokens})" if r.status == "failed" else ""
+            notes.append(f"  {r.method} {r.status}{where}: {r.reason}")
+    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i > 1 else c.ljust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in (header, *body)
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if rows:
+        w = rows[0].work
+        lines.append(
+            f"memfloor = dW + dh = (V + N) * H * {w.element_size} B; "
+            "MB = 2**20 bytes; ratios vs methods of the same run and tokens"
+        )
+    if notes:
+        lines.append("notes:")
+        lines.extend(dict.fromkeys(notes))
+    return "\n".join(lines)
+
+
+def machine_string() -> str:
+    """Platform and processor, for the CSV (GPU name when on CUDA)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    parts = [platform.platform(), cpu, f"{os.cpu_count()} cpus"]
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name())
+    return "; ".join(parts)
+
+
+def check_csv_header(path: Path) -> None:
+    """Raise ``ValueError`` if ``path`` exists with columns other than :data:`CSV_COLUMNS`."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open(newline="") as f:
+        existing = next(csv.reader(f), [])
+    if tuple(existing) != CSV_COLUMNS:
+        raise ValueError(
+            f"{path} has different columns (an older format?); pass another --csv path"
+        )
+
+
+def append_csv(path: Path, rows: Sequence[Row], timestamp: str) -> None:
+    """Append ``rows`` to the CSV at ``path``, writing the header if the file is new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    machine = machine_string()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if new:
+            writer.writeheader()
+        for r in rows:
+            w = r.work
+            writer.writerow(
+                {
+                    "timestamp": timestamp,
+                    "task": w.task,
+                    "method": r.method,
+                    "status": r.status,
+                    "tokens": w.tokens,
+                    "hidden": w.hidden,
+                    "vocab": w.vocab,
+                    "valid_frac": w.valid_frac,
+                    "dtype": w.dtype,
+                    "device": w.device,
+                    "threads": w.threads,
+                    "repeats": w.repeats,
+                    "time_p50_s": _csv_num(r.time_p50_s),
+                    "time_p20_s": _csv_num(r.time_p20_s),
+                    "time_p80_s": _csv_num(r.time_p80_s),
+                    "peak_extra_mb": _csv_num(r.peak_extra_mb),
+                    **{k: _csv_num(r.ratios.get(k)) for k in CSV_COLUMNS if "_vs_" in k},
+                    "mem_floor_mb": _csv_num(w.memory_floor_bytes() / MIB),
+                    "note": r.reason,
+                    "machine": machine,
+                    "torch": torch.__version__,
+                    "logitless": logitless_version(),
+                }
+            )
+
+
+def logitless_version() -> str:
+    """Installed logitless version (package metadata, else the module attribute)."""
+    try:
+        return importlib.metadata.version("logitless")
+    except importlib.metadata.PackageNotFoundError:
+        import logitless
+
+        return str(getattr(logitless, "__version__", "unknown"))
+
+
+def _csv_num(value: float | None) -> str:
+    """Compact number for the CSV; empty when missing."""
+    return "" if value is None else f"{value:.6g}"
+
+
+def now_timestamp() -> str:
+    """UTC run timestamp (all rows of one run share it, so it doubles as a run id)."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def workloads_for(base: Workload, tokens: Sequence[int]) -> list[Workload]:
+    """One workload per ``--tokens`` value."""
+    return [replace(base, tokens=n) for n in tokens]

@@ -1,0 +1,223 @@
+"""Command-line entry point: ``logitless <command> ...``.
+
+Commands are subparsers, each registered by an ``add_*`` function that sets its handler, so
+new ones (``demo``, ...) slot in beside ``bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DEFAULT_CSV = Path("bench-results/bench.csv")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _default_threads() -> int:
+    """All cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``logitless bench``."""
+    from .bench.methods import TASKS
+    from .bench.workload import DTYPES
+
+    p = subparsers.add_parser(
+        "bench",
+        help="time and memory of log-probs+entropy forward+backward, per method",
+        description=(
+            "Measure forward+backward of the head op for each method, each in a fresh "
+            "subprocess: median time and peak extra memory, as ratios vs naive and vs a "
+            "pure-matmul floor timed in the same run. Default shape: a Qwen2.5-0.5B-like "
+            "head (H=896, V=151936), fp32."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--task", choices=sorted(TASKS), default="logprobs", help="what to compute")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="METHOD",
+        help="methods to run (space or comma separated); default: all of the task's "
+        f"({', '.join(TASKS['logprobs'])} for logprobs)",
+    )
+    p.add_argument(
+        "--tokens", type=_positive_int, nargs="+", default=[1024], help="N; several = sweep"
+    )
+    p.add_argument("--hidden", type=_positive_int, default=896, help="H")
+    p.add_argument("--vocab", type=_positive_int, default=151936, help="V")
+    p.add_argument(
+        "--valid-frac",
+        type=_fraction,
+        default=1.0,
+        help="fraction of rows with a real label; the rest are ignore_index, spread randomly",
+    )
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed repeats (+1 warmup)")
+    p.add_argument(
+        "--threads", type=_positive_int, default=_default_threads(), help="torch CPU threads"
+    )
+    p.add_argument("--seed", type=int, default=0, help="input RNG seed")
+    p.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="CSV to append rows to")
+    p.add_argument("--no-csv", action="store_true", help="do not write the CSV")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="write memory/time vs tokens here")
+    p.add_argument(
+        "--timeout", type=_positive_float, metavar="S", help="per-method subprocess time limit"
+    )
+    p.set_defaults(handler=_run_bench_command)
+
+
+def _selected_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Validate ``--methods`` against the task's registry (argparse error if unknown)."""
+    from .bench.methods import TASKS
+
+    known = list(TASKS[args.task])
+    if not args.methods:
+        return known
+    names = [n for item in args.methods for n in item.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        parser.error(
+            f"unknown method(s) {', '.join(unknown) or '(none given)'} for task {args.task!r};"
+            f" choose from {', '.join(known)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Handler of ``logitless bench``: run, print the table, append the CSV, plot."""
+    from .bench.harness import (
+        append_csv,
+        check_csv_header,
+        format_table,
+        now_timestamp,
+        run_bench,
+        workloads_for,
+    )
+    from .bench.workload import Workload
+
+    methods = _selected_methods(parser, args)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available in this torch build")
+    if not args.no_csv:
+        try:
+            check_csv_header(args.csv)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'logitless[bench]'")
+
+    base = Workload(
+        task=args.task,
+        tokens=args.tokens[0],
+        hidden=args.hidden,
+        vocab=args.vocab,
+        valid_frac=args.valid_frac,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        repeats=args.repeats,
+        seed=args.seed,
+    )
+    timestamp = now_timestamp()
+    print(
+        f"logitless bench: task={args.task} H={args.hidden} V={args.vocab} {args.dtype} "
+        f"{args.device} threads={args.threads} repeats={args.repeats} "
+        f"tokens={','.join(map(str, args.tokens))} valid_frac={args.valid_frac:g}",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = run_bench(
+        methods, workloads_for(base, args.tokens), log=sys.stderr, timeout_s=args.timeout
+    )
+    print(format_table(rows))
+    if not args.no_csv:
+        append_csv(args.csv, rows, timestamp)
+        print(f"appended {len(rows)} rows to {args.csv}", file=sys.stderr)
+    if args.plot is not None:
+        from .bench.plot import plot_rows
+
+        plot_rows(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_bench_parser,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per command."""
+    parser = argparse.ArgumentParser(prog="logitless", description="logitless command-line tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; returns the exit code.
+
+    Bad input exits with code 2 (argparse); a run where some method failed returns 1.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    return int(args.handler(sub, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
