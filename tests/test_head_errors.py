@@ -1,0 +1,242 @@
+"""Bad input to the head raises ValueError naming the argument, in the op and the reference alike.
+
+One test per check in ``logitless._validate``; every test runs against both functions, which
+share those checks. Not covered: the DTensor check (building a DTensor needs a process group).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import logitless
+from logitless import reference
+
+V, H, N = 11, 8, 5
+FUNCS = [logitless.linear_logprobs, reference.linear_logprobs]
+FUNC_IDS = ["op", "reference"]
+
+
+@pytest.fixture(params=FUNCS, ids=FUNC_IDS)
+def head(request):
+    return request.param
+
+
+def _good(**overrides):
+    """A valid call's arguments, with some of them replaced."""
+    args = {
+        "hidden": torch.randn(N, H),
+        "weight": torch.randn(V, H),
+        "labels": torch.randint(0, V, (N,)),
+    }
+    args.update(overrides)
+    return args
+
+
+def _call(head, **overrides):
+    args = _good(**overrides)
+    return head(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+
+
+def test_valid_call_passes(head):
+    # The baseline the error tests perturb is itself accepted.
+    out = _call(head, bias=torch.randn(V), temperature=torch.rand(N) + 0.5, softcap=5.0)
+    assert out.logprobs.shape == (N,)
+
+
+# ---- not tensors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["hidden", "weight", "labels", "bias"])
+def test_not_a_tensor(head, name):
+    value = _good(bias=torch.randn(V))[name].tolist()
+    with pytest.raises(ValueError, match=rf"{name} must be a torch\.Tensor, got list"):
+        _call(head, **{name: value})
+
+
+# ---- hidden / weight ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [torch.randint(0, 3, (N, H)), torch.tensor(1.0)],
+    ids=["integer", "0-dim"],
+)
+def test_hidden_not_floating_or_no_dims(head, hidden):
+    with pytest.raises(
+        ValueError, match=r"hidden must be a floating tensor of shape \[\.\.\., H\]"
+    ):
+        _call(head, hidden=hidden)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [torch.randn(V * H), torch.randn(2, V, H), torch.randint(0, 3, (V, H))],
+    ids=["1-d", "3-d", "integer"],
+)
+def test_weight_not_floating_2d(head, weight):
+    with pytest.raises(ValueError, match=r"weight must be a floating \[V, H\] tensor"):
+        _call(head, weight=weight)
+
+
+def test_hidden_last_dim_mismatch(head):
+    with pytest.raises(ValueError, match=rf"hidden's last dimension must equal weight's H={H}"):
+        _call(head, hidden=torch.randn(N, H + 1))
+
+
+# ---- labels ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "labels_shape", [(N + 1,), (N, 1), (1, N)], ids=["longer", "extra-dim", "transposed"]
+)
+def test_labels_shape_mismatch(head, labels_shape):
+    with pytest.raises(ValueError, match=rf"labels must have shape \[{N}\]"):
+        _call(head, labels=torch.zeros(labels_shape, dtype=torch.long))
+
+
+def test_labels_shape_mismatch_3d(head):
+    with pytest.raises(ValueError, match=r"labels must have shape \[2, 3\]"):
+        _call(head, hidden=torch.randn(2, 3, H), labels=torch.zeros(3, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_labels_not_integer(head, dtype):
+    with pytest.raises(ValueError, match=r"labels must be an integer tensor"):
+        _call(head, labels=torch.zeros(N, dtype=dtype))
+
+
+@pytest.mark.parametrize("bad", [-1, -101, V, V + 100], ids=["-1", "-101", "V", "V+100"])
+def test_label_out_of_range(head, bad):
+    labels = torch.randint(0, V, (N,))
+    labels[2] = bad
+    with pytest.raises(ValueError, match=rf"labels must be in \[0, {V}\).*e\.g\. {bad}"):
+        _call(head, labels=labels)
+
+
+def test_default_ignore_index_is_out_of_range_under_another_ignore_index(head):
+    labels = torch.randint(0, V, (N,))
+    labels[0] = -100
+    with pytest.raises(ValueError, match=r"labels must be in .*ignore_index=-1"):
+        _call(head, labels=labels, ignore_index=-1)
+
+
+@pytest.mark.parametrize("ignore_index", [-100.0, True, "x", None])
+def test_ignore_index_not_int(head, ignore_index):
+    with pytest.raises(ValueError, match=r"ignore_index must be an int"):
+        _call(head, ignore_index=ignore_index)
+
+
+# ---- devices and dtypes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["hidden", "weight", "labels", "bias", "temperature"])
+def test_device_mismatch(head, name):
+    # A CPU-only machine still has two devices: "meta" tensors carry shape and dtype only.
+    args = _good(bias=torch.randn(V), temperature=torch.rand(N) + 0.5)
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=r"must be on one device, got \['cpu', 'meta'\]"):
+        _call(head, **args)
+
+
+def test_dtype_mismatch_without_head_dtype(head):
+    with pytest.raises(
+        ValueError, match=r"hidden \(torch\.bfloat16\) and weight \(torch\.float32\)"
+    ):
+        _call(head, hidden=torch.randn(N, H, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("head_dtype", [torch.int32, torch.bool, "float32", 4])
+def test_head_dtype_not_floating(head, head_dtype):
+    with pytest.raises(ValueError, match=r"head_dtype must be None or a floating torch\.dtype"):
+        _call(head, head_dtype=head_dtype)
+
+
+def test_head_dtype_allows_mixed_dtypes(head):
+    out = _call(
+        head,
+        hidden=torch.randn(N, H, dtype=torch.bfloat16),
+        bias=torch.randn(V, dtype=torch.bfloat16),
+        head_dtype=torch.float32,
+    )
+    assert out.logprobs.dtype == torch.float32
+
+
+# ---- bias --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [torch.randn(V + 1), torch.randn(1, V), torch.randn(()), torch.zeros(V, dtype=torch.long)],
+    ids=["V+1", "1xV", "0-dim", "integer"],
+)
+def test_bias_wrong_shape_or_dtype(head, bias):
+    with pytest.raises(ValueError, match=rf"bias must be a floating tensor of shape \[{V}\]"):
+        _call(head, bias=bias)
+
+
+def test_bias_dtype_mismatch_without_head_dtype(head):
+    with pytest.raises(ValueError, match=r"bias \(torch\.float64\) and weight \(torch\.float32\)"):
+        _call(head, bias=torch.randn(V, dtype=torch.float64))
+
+
+# ---- temperature -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf"), True, "1.0", None])
+def test_scalar_temperature_not_positive_finite(head, temperature):
+    with pytest.raises(ValueError, match=r"temperature must be a positive finite float"):
+        _call(head, temperature=temperature)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf")])
+def test_temperature_tensor_not_positive_finite(head, bad):
+    temperature = torch.rand(N) + 0.5
+    temperature[3] = bad
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0 everywhere"):
+        _call(head, temperature=temperature)
+
+
+# 2xN: broadcast_shapes accepts it, but temperature may not add dimensions to labels.
+@pytest.mark.parametrize("shape", [(N + 1,), (N, 2), (2, N)], ids=["N+1", "Nx2", "2xN"])
+def test_temperature_tensor_not_broadcastable(head, shape):
+    with pytest.raises(ValueError, match=r"temperature of shape .* is not broadcastable"):
+        _call(head, temperature=torch.rand(shape) + 0.5)
+
+
+def test_temperature_tensor_integer(head):
+    with pytest.raises(ValueError, match=r"temperature tensor must be floating"):
+        _call(head, temperature=torch.ones(N, dtype=torch.long))
+
+
+def test_temperature_requires_grad(head):
+    with pytest.raises(ValueError, match=r"temperature must not require grad"):
+        _call(head, temperature=(torch.rand(N) + 0.5).requires_grad_())
+
+
+# ---- softcap -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap", [0.0, -3.0, float("nan"), float("inf"), True, "30"])
+def test_softcap_not_positive_finite(head, softcap):
+    with pytest.raises(ValueError, match=r"softcap must be a positive finite float"):
+        _call(head, softcap=softcap)
+
+
+# ---- chunk_size --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, 1.5, True, "8", 8.0])
+def test_chunk_size_invalid(head, chunk_size):
+    with pytest.raises(ValueError, match=r"chunk_size must be None or an int >= 1"):
+        _call(head, chunk_size=chunk_size)
+
+
+# ---- op only -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_entropy", [1, "yes", None])
+def test_with_entropy_not_bool(with_entropy):
+    # Only the op checks this; the reference takes any truthy value.
+    with pytest.raises(ValueError, match=r"with_entropy must be a bool"):
+        _call(logitless.linear_logprobs, with_entropy=with_entropy)
