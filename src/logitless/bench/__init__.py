@@ -3,10 +3,7 @@
 Layout: :mod:`.workload` (config + seeded inputs), :mod:`.methods` (task -> method registry,
 peer adapters), :mod:`.worker` (the subprocess that times one method), :mod:`.harness`
 (orchestration, ratios, table, CSV), :mod:`.plot` (``--plot``).
+
+Nothing is imported here, so ``python -m logitless.bench.worker`` runs the worker module
+fresh as ``__main__``.
 """
-
-from .harness import CSV_COLUMNS, Row, run_bench
-from .methods import TASKS, Method
-from .workload import Workload
-
-__all__ = ["CSV_COLUMNS", "TASKS", "Method", "Row", "Workload", "run_bench"]

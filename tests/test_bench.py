@@ -1,0 +1,150 @@
+"""Smoke tests of ``logitless bench``: the real subprocess path at a tiny shape, CLI errors,
+failure capture and ratio arithmetic."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.bench.harness import CSV_COLUMNS, Row, add_ratios, append_csv, run_method
+from logitless.bench.workload import Workload
+from logitless.cli import main
+
+TINY = ["--tokens", "32", "--hidden", "32", "--vocab", "512", "--repeats", "1", "--threads", "1"]
+METHODS = ["naive", "logitless", "floor3", "floor4"]
+
+
+def _work(**overrides: object) -> Workload:
+    """A tiny workload."""
+    base = dict(
+        task="logprobs",
+        tokens=32,
+        hidden=32,
+        vocab=512,
+        valid_frac=0.5,
+        dtype="float32",
+        device="cpu",
+        threads=1,
+        repeats=1,
+    )
+    return Workload(**{**base, **overrides})
+
+
+def test_bench_end_to_end(tmp_path: Path) -> None:
+    """Console path: every method runs in its own worker; table, progress, CSV and PNG."""
+    out_csv, out_png = tmp_path / "r" / "bench.csv", tmp_path / "bench.png"
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    cmd = [sys.executable, "-m", "logitless", "bench", *TINY, "--valid-frac", "0.5"]
+    cmd += ["--methods", ",".join(METHODS), "--csv", str(out_csv)]
+    cmd += ["--plot", str(out_png)] if has_mpl else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+    for i, name in enumerate(METHODS, 1):
+        assert f"[{i}/{len(METHODS)}] tokens=32 {name}:" in proc.stderr
+    table = proc.stdout.splitlines()
+    assert table[0].split()[:4] == ["tokens", "method", "median", "s"]
+    assert [ln.split()[1] for ln in table[2 : 2 + len(METHODS)]] == METHODS
+
+    with out_csv.open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames or ()) == CSV_COLUMNS
+        rows = list(reader)
+    assert [r["method"] for r in rows] == METHODS
+    assert len({r["timestamp"] for r in rows}) == 1
+    for r in rows:
+        assert r["status"] == "ok" and r["task"] == "logprobs" and r["tokens"] == "32"
+        assert float(r["time_p20_s"]) <= float(r["time_p50_s"]) <= float(r["time_p80_s"])
+        assert float(r["time_p50_s"]) > 0 and float(r["peak_extra_mb"]) >= 0
+        assert r["torch"] == torch.__version__ and r["valid_frac"] == "0.5"
+    by = {r["method"]: r for r in rows}
+    assert float(by["naive"]["time_vs_naive"]) == 1.0
+    assert float(by["floor4"]["time_vs_floor4"]) == 1.0
+    assert float(by["logitless"]["mem_floor_mb"]) == pytest.approx((512 + 32) * 32 * 4 / 2**20)
+    if has_mpl:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--tokens", "0"],
+        ["--tokens", "many"],
+        ["--valid-frac", "0"],
+        ["--valid-frac", "1.5"],
+        ["--methods", "bogus"],
+        ["--methods", "naive,bogus"],
+        ["--dtype", "float64"],
+        ["--task", "loss"],
+        ["--device", "tpu"],
+        ["--repeats", "0"],
+    ],
+)
+def test_bad_input_exits_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad CLI input is an argparse error (exit code 2) with a message, before any work."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *TINY, "--no-csv", *bad])
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """Asking for CUDA on a CPU-only torch is a clear CLI error."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *TINY, "--no-csv", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_worker_failure_is_a_row_not_a_crash() -> None:
+    """An exception inside the worker comes back as a failed row with its reason."""
+    row = run_method("no-such-method", _work())
+    assert row.status == "failed" and "unknown method" in row.reason
+
+
+def test_worker_timeout_is_a_row_not_a_crash() -> None:
+    """A worker that outlives ``--timeout`` is recorded as failed."""
+    row = run_method("naive", _work(), timeout_s=0.01)
+    assert row.status == "failed" and "timed out" in row.reason
+
+
+def _row(method: str, t: float, mb: float) -> Row:
+    return Row(method, _work(), "ok", time_p50_s=t, time_p20_s=t, time_p80_s=t, peak_extra_mb=mb)
+
+
+def test_ratios_and_csv_append(tmp_path: Path) -> None:
+    """Ratios use the same run's naive/floor rows; missing references stay empty; the CSV
+    header is written once."""
+    rows = [_row("naive", 4.0, 100.0), _row("logitless", 2.0, 10.0), _row("floor4", 1.0, 5.0)]
+    rows.append(Row("cce", _work(), "skipped", reason="not installed"))
+    add_ratios(rows)
+    q = rows[1].ratios
+    assert q["time_vs_naive"] == 0.5 and q["mem_vs_naive"] == 0.1
+    assert q["time_vs_floor4"] == 2.0 and q["time_vs_floor3"] is None
+    assert q["mem_vs_floor"] == pytest.approx(10.0 / ((512 + 32) * 32 * 4 / 2**20))
+    path = tmp_path / "b.csv"
+    append_csv(path, rows, "t0")
+    append_csv(path, rows[:1], "t1")
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(CSV_COLUMNS) and len(lines) == 1 + len(rows) + 1
+    assert lines.count(lines[0]) == 1
+
+
+def test_csv_with_other_columns_is_refused_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Appending to a CSV of another format would misalign columns: refuse up front."""
+    path = tmp_path / "old.csv"
+    path.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *TINY, "--csv", str(path)])
+    assert exc.value.code == 2
+    assert "different columns" in capsys.readouterr().err
+    assert path.read_text() == "a,b,c\n1,2,3\n"
