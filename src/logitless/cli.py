@@ -85,6 +85,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--methods",
         nargs="+",
         metavar="METHOD",
+        default=argparse.SUPPRESS,
         help="methods to run (space or comma separated); default: all of the task's "
         f"({', '.join(TASKS['logprobs'])} for logprobs)",
     )
@@ -99,7 +100,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default=1.0,
         help="fraction of rows with a real label; the rest are ignore_index, spread randomly",
     )
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="dtype of hidden and weight"
+    )
     p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--repeats", type=_positive_int, default=3, help="timed repeats (+1 warmup)")
     p.add_argument(
@@ -112,7 +115,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout", type=_positive_float, metavar="S", help="per-method subprocess time limit"
     )
-    p.set_defaults(handler=_run_bench_command)
+    p.set_defaults(handler=_run_bench_command, command_parser=p)
 
 
 def _selected_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -120,7 +123,7 @@ def _selected_methods(parser: argparse.ArgumentParser, args: argparse.Namespace)
     from .bench.methods import TASKS
 
     known = list(TASKS[args.task])
-    if not args.methods:
+    if not getattr(args, "methods", None):
         return known
     names = [n for item in args.methods for n in item.split(",") if n]
     unknown = [n for n in names if n not in known]
@@ -215,8 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
-    return int(args.handler(sub, args))
+    return int(args.handler(args.command_parser, args))
 
 
 if __name__ == "__main__":
