@@ -1,0 +1,49 @@
+"""RL policy losses on per-token tensors: small pure functions and one entry point.
+
+The losses never import the LM head: they take log-probs (and entropy) computed by
+:func:`logitless.linear_logprobs` or anything else. See ``docs/losses.md``.
+"""
+
+from .aggregation import aggregation_weights, metric_weights
+from .config import PolicyLossConfig
+from .kl import kl_k1, kl_k2, kl_k3, kl_k3_k2_grad, kl_penalty
+from .mismatch import sequence_mask, token_band_mask, truncated_is_sequence, truncated_is_token
+from .normalizer import LossNormalizer, loss_normalizer
+from .policy import policy_loss
+from .ratio import sequence_log_ratio, token_log_ratio
+from .surrogates import (
+    Surrogate,
+    cispo_surrogate,
+    dppo_surrogate,
+    gmpo_surrogate,
+    ppo_clip_surrogate,
+    reinforce_surrogate,
+    sapo_surrogate,
+)
+
+__all__ = [
+    "LossNormalizer",
+    "PolicyLossConfig",
+    "Surrogate",
+    "aggregation_weights",
+    "cispo_surrogate",
+    "dppo_surrogate",
+    "gmpo_surrogate",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_k3_k2_grad",
+    "kl_penalty",
+    "loss_normalizer",
+    "metric_weights",
+    "policy_loss",
+    "ppo_clip_surrogate",
+    "reinforce_surrogate",
+    "sapo_surrogate",
+    "sequence_log_ratio",
+    "sequence_mask",
+    "token_band_mask",
+    "token_log_ratio",
+    "truncated_is_sequence",
+    "truncated_is_token",
+]

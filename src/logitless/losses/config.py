@@ -1,0 +1,173 @@
+"""``PolicyLossConfig``: every option of :func:`logitless.losses.policy_loss`, validated once.
+
+The config is a frozen dataclass; every field is checked in ``__post_init__`` and a bad value
+raises ``ValueError`` naming the field, what was expected and what was given. Names of modes
+are plain strings so a config round-trips through YAML/JSON unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SURROGATES = ("ppo_clip", "cispo", "sapo", "gmpo", "reinforce", "dppo")
+RATIO_LEVELS = ("token", "sequence")
+AGGREGATIONS = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "token_sum",
+)
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
+MISMATCH_IS = (None, "token", "sequence")
+MISMATCH_SEQ_MASKS = (None, "geometric", "product")
+
+# Surrogates that build their own per-token ratio and ignore ``ratio_level="sequence"``:
+# GMPO takes a geometric mean of *clipped* token ratios itself; DPPO's trust region is a
+# per-token probability difference.
+_TOKEN_ONLY_SURROGATES = ("gmpo", "dppo")
+
+
+def _choice(field: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
+
+
+def _number(
+    field: str, value: object, *, minimum: float | None = None, strict: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{field} must be a finite number, got {value!r}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        op = ">" if strict else ">="
+        raise ValueError(f"{field} must be {op} {minimum}, got {value!r}")
+
+
+def _optional_positive(field: str, value: object) -> None:
+    if value is not None:
+        _number(field, value, minimum=0.0, strict=True)
+
+
+def _band(field: str, value: object) -> None:
+    """A ``(low, high)`` pair of finite numbers with ``0 <= low < high``."""
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value)
+        or not all(math.isfinite(v) for v in value)
+        or not 0 <= value[0] < value[1]
+    ):
+        raise ValueError(f"{field} must be a pair (low, high) with 0 <= low < high, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Options of :func:`logitless.losses.policy_loss` (see ``docs/losses.md`` for formulas).
+
+    Surrogate
+        surrogate: ``"ppo_clip" | "cispo" | "sapo" | "gmpo" | "reinforce" | "dppo"``.
+        clip_low, clip_high: ``ε_low, ε_high >= 0``. PPO / CISPO clip the ratio to
+            ``[1 - ε_low, 1 + ε_high]`` (DAPO "clip-higher": ``ε_high > ε_low``); GMPO clips the
+            *log* ratio to ``[-ε_low, ε_high]``; DPPO uses them as the probability-difference
+            (total-variation) thresholds ``δ_low, δ_high``.
+        dual_clip: PPO dual-clip constant ``c > 1`` (Ye et al. 2020), or ``None``.
+        sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for ``A > 0`` / ``A <= 0``.
+        dppo_ratio_cap: DPPO truncates the (stop-gradient) ratio at this value.
+    Ratio
+        ratio_level: ``"token"`` or ``"sequence"`` (GSPO: the geometric mean of the token
+            ratios of each document, carried by every token of it).
+    Aggregation
+        aggregation: ``"token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
+            "seq_mean_token_sum_norm" | "token_sum"``.
+        norm_length: Dr.GRPO's constant ``L`` for ``"seq_mean_token_sum_norm"`` (typically the
+            maximum response length). ``None`` uses ``T`` of a ``[B, T]`` input; a packed
+            ``[N]`` input then needs it set.
+    KL to a reference policy
+        kl_coef: ``β >= 0``; the per-token KL is added to the loss before aggregation.
+        kl_estimator: ``"k1" | "k2" | "k3" | "k3+"`` (``"k3+"``: k3 value, k2 gradient).
+        kl_log_ratio_clamp: ``|log π_ref − log π|`` is clamped to this before ``exp`` in
+            k3/k3+ (``None``: no clamp).
+        kl_value_clamp: k3/k3+ values are clamped to ``[-c, c]`` (``None``: no clamp).
+    Entropy
+        entropy_coef: the loss gets ``- entropy_coef · H`` per token (a bonus when > 0).
+    Train/inference mismatch (needs ``rollout_logprobs``; ``ρ = π_old / π_rollout``)
+        mismatch_is: truncated importance sampling, ``"token"`` (``min(ρ_t, cap)``) or
+            ``"sequence"`` (``min(Π_t ρ_t, cap)``), or ``None``.
+        mismatch_is_cap: the truncation cap (> 0).
+        mismatch_token_mask: ``(low, high)``: tokens with ``ρ_t`` outside are dropped from the
+            policy term (masked IS / IcePop), or ``None``.
+        mismatch_seq_mask: ``"geometric"`` (``exp(mean_t log ρ_t)``) or ``"product"``
+            (``Π_t ρ_t``): whole documents whose statistic is outside
+            ``mismatch_seq_mask_range`` are dropped from the policy term, or ``None``.
+        mismatch_seq_mask_range: ``(low, high)`` for ``mismatch_seq_mask``.
+    """
+
+    surrogate: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    dppo_ratio_cap: float = 20.0
+    ratio_level: str = "token"
+    aggregation: str = "token_mean"
+    norm_length: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_log_ratio_clamp: float | None = 20.0
+    kl_value_clamp: float | None = 10.0
+    entropy_coef: float = 0.0
+    mismatch_is: str | None = None
+    mismatch_is_cap: float = 2.0
+    mismatch_token_mask: tuple[float, float] | None = None
+    mismatch_seq_mask: str | None = None
+    mismatch_seq_mask_range: tuple[float, float] = (0.5, 2.0)
+
+    def __post_init__(self) -> None:
+        _choice("surrogate", self.surrogate, SURROGATES)
+        _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _choice("aggregation", self.aggregation, AGGREGATIONS)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("mismatch_is", self.mismatch_is, MISMATCH_IS)
+        _choice("mismatch_seq_mask", self.mismatch_seq_mask, MISMATCH_SEQ_MASKS)
+        _number("clip_low", self.clip_low, minimum=0.0)
+        _number("clip_high", self.clip_high, minimum=0.0)
+        if self.dual_clip is not None:
+            _number("dual_clip", self.dual_clip, minimum=1.0, strict=True)
+            if self.surrogate != "ppo_clip":
+                raise ValueError(
+                    f"dual_clip only applies to surrogate='ppo_clip', got surrogate="
+                    f"{self.surrogate!r} with dual_clip={self.dual_clip!r}"
+                )
+        _number("sapo_tau_pos", self.sapo_tau_pos, minimum=0.0, strict=True)
+        _number("sapo_tau_neg", self.sapo_tau_neg, minimum=0.0, strict=True)
+        _number("dppo_ratio_cap", self.dppo_ratio_cap, minimum=0.0, strict=True)
+        if self.ratio_level == "sequence" and self.surrogate in _TOKEN_ONLY_SURROGATES:
+            raise ValueError(
+                f"ratio_level='sequence' is not defined for surrogate={self.surrogate!r} "
+                f"(it builds its own ratio); use ratio_level='token'"
+            )
+        if self.norm_length is not None and (
+            isinstance(self.norm_length, bool)
+            or not isinstance(self.norm_length, int)
+            or self.norm_length < 1
+        ):
+            raise ValueError(f"norm_length must be None or an int >= 1, got {self.norm_length!r}")
+        _number("kl_coef", self.kl_coef, minimum=0.0)
+        _optional_positive("kl_log_ratio_clamp", self.kl_log_ratio_clamp)
+        _optional_positive("kl_value_clamp", self.kl_value_clamp)
+        _number("entropy_coef", self.entropy_coef)
+        _number("mismatch_is_cap", self.mismatch_is_cap, minimum=0.0, strict=True)
+        if self.mismatch_token_mask is not None:
+            _band("mismatch_token_mask", self.mismatch_token_mask)
+        _band("mismatch_seq_mask_range", self.mismatch_seq_mask_range)
+
+    @property
+    def uses_rollout(self) -> bool:
+        """True when a train/inference mismatch correction needs ``rollout_logprobs``."""
+        return (
+            self.mismatch_is is not None
+            or self.mismatch_token_mask is not None
+            or self.mismatch_seq_mask is not None
+        )

@@ -1,0 +1,37 @@
+"""Importance log-ratios at token and sequence (GSPO) level."""
+
+from __future__ import annotations
+
+import torch
+
+from ._segments import Segments, gather, segment_mean
+
+__all__ = ["sequence_log_ratio", "token_log_ratio"]
+
+
+def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``log π_θ(y_t) − log π_old(y_t)`` per token; gradient through ``logprobs`` only.  [N]"""
+    return logprobs - old_logprobs.detach()
+
+
+def sequence_log_ratio(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    segments: Segments,
+) -> torch.Tensor:
+    """GSPO sequence ratio in token form, one value per token.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071): the sequence
+    importance ratio ``s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|)`` and its token form
+    (GSPO-token) ``s_{i,t} = sg(s_i) · π_θ(y_{i,t}) / sg(π_θ(y_{i,t}))``. In log space::
+
+        log s_{i,t} = sg(mean_{t' in i} (log π_θ − log π_old)) + log π_θ(y_t) − sg(log π_θ(y_t))
+
+    The mean runs over the valid tokens of each document (segment sums over document ids, so
+    packed streams work and padding is never a document). Every token carries the value of its
+    sequence ratio; its gradient is ``s_i ∇log π_θ(y_t)``.
+    """
+    token = token_log_ratio(logprobs, old_logprobs)  # [N]
+    seq_mean = gather(segment_mean(token.detach(), valid, segments), segments)  # [N]
+    return seq_mean + logprobs - logprobs.detach()  # [N]

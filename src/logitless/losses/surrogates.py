@@ -1,0 +1,195 @@
+"""Policy-gradient surrogates: per-token losses (to be minimized) from per-token tensors.
+
+Every function takes ``[N]`` tensors and returns a :class:`Surrogate`: the per-token loss and
+the boolean masks of tokens where a clip (or trust-region mask) is active, for metrics. None
+of them masks or aggregates; :func:`logitless.losses.policy_loss` does that.
+
+Notation: ``log_ratio = log π_θ − log π_old`` (differentiable through ``log π_θ``),
+``r = exp(log_ratio)``, ``A`` the advantage (no gradient), ``sg`` stop-gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._segments import Segments, gather, segment_mean
+
+__all__ = [
+    "Surrogate",
+    "cispo_surrogate",
+    "dppo_surrogate",
+    "gmpo_surrogate",
+    "ppo_clip_surrogate",
+    "reinforce_surrogate",
+    "sapo_surrogate",
+]
+
+# exp() of a log-ratio beyond this is clamped (the anchors clamp at ±20 too).
+MAX_LOG_RATIO = 20.0
+
+
+class Surrogate(NamedTuple):
+    loss: torch.Tensor  # [N] per-token loss
+    clipped_low: torch.Tensor  # [N] bool: lower clip / mask active
+    clipped_high: torch.Tensor  # [N] bool: upper clip / mask active
+    clipped_dual: torch.Tensor | None = None  # [N] bool: PPO dual clip active
+
+
+def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N]
+
+
+def ppo_clip_surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> Surrogate:
+    """PPO clipped surrogate with asymmetric range and optional dual clip.
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347),
+    eq. (7) (``L^CLIP``); asymmetric ``[1 − ε_low, 1 + ε_high]`` from DAPO (Yu et al. 2025,
+    arXiv:2503.14476, Sec. 3.1 "Clip-Higher"); dual clip from Ye et al. 2020, "Mastering Complex
+    Control in MOBA Games with Deep Reinforcement Learning" (arXiv:1912.09729, dual-clip PPO)::
+
+        L = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))
+        L = min(L, −A·c)   where A < 0           (dual clip, c > 1)
+
+    With ``log_ratio`` in GSPO token form (:func:`logitless.losses.sequence_log_ratio`) this is
+    GSPO-token.
+    """
+    ratio = _ratio(log_ratio)  # [N]
+    unclipped = -advantages * ratio  # [N]
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N]
+    loss = torch.maximum(unclipped, clipped)  # [N]
+    clipped_high = (advantages > 0) & (ratio > 1.0 + clip_high)  # [N]
+    clipped_low = (advantages < 0) & (ratio < 1.0 - clip_low)  # [N]
+    clipped_dual = None
+    if dual_clip is not None:
+        bound = -advantages * dual_clip  # [N]
+        clipped_dual = (advantages < 0) & (loss > bound)  # [N]
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    return Surrogate(loss, clipped_low, clipped_high, clipped_dual)
+
+
+def cispo_surrogate(
+    log_ratio: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> Surrogate:
+    """CISPO: clipped, stop-gradient IS weight times the REINFORCE term.
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention" (arXiv:2506.13585), Sec. 3.1, the CISPO objective::
+
+        L = −sg(clip(r, 1 − ε_low, 1 + ε_high)) · A · log π_θ
+
+    Every token keeps a gradient; the clip only bounds its weight.
+    """
+    ratio = _ratio(log_ratio)  # [N]
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()  # [N]
+    loss = -weight * advantages * logprobs  # [N]
+    return Surrogate(loss, ratio < 1.0 - clip_low, ratio > 1.0 + clip_high)
+
+
+def sapo_surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    tau_pos: float,
+    tau_neg: float,
+) -> Surrogate:
+    """SAPO: a smooth sigmoid gate in place of the hard clip.
+
+    "Soft Adaptive Policy Optimization" (Qwen team 2025, arXiv:2511.20347), the soft gate
+    ``f(r) = (4/τ)·σ(τ(r − 1))`` with separate temperatures for positive/negative tokens::
+
+        τ = τ_pos if A > 0 else τ_neg
+        L = −A · (4 / τ) · σ(τ · (r − 1))
+
+    Its gradient is ``−A · 4σ(1 − σ) · r ∇log π``: equal to the plain one at ``r = 1``,
+    decaying smoothly as ``r`` leaves 1.
+    """
+    ratio = _ratio(log_ratio)  # [N]
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)  # [N]
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [N]
+    no_clip = torch.zeros_like(ratio, dtype=torch.bool)
+    return Surrogate(-advantages * gate, no_clip, no_clip)
+
+
+def gmpo_surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    segments: Segments,
+    clip_low: float,
+    clip_high: float,
+) -> Surrogate:
+    """GMPO: geometric mean of the token ratios, each clipped in log space.
+
+    Zhao et al. 2025, "Geometric-Mean Policy Optimization" (GMPO objective: the geometric
+    mean of token-level clipped ratios, clip range in log space)::
+
+        ĉ_t = sgn(A) · min(sgn(A) · log r_t, sgn(A) · clip(log r_t, −ε_low, ε_high))
+        R   = exp(mean_{t in doc} ĉ_t)                 (per document, valid tokens only)
+        L_t = −A_t · sg(R) · exp(ĉ_t − sg(ĉ_t))        (value R; gradient R ∇ĉ_t)
+
+    Aggregated with ``seq_mean_token_mean`` this is exactly ``mean_docs(−A · R)``, the GMPO
+    objective; the token form lets every aggregation mode and micro-batch split apply.
+    """
+    sign = torch.sign(advantages)  # [N]
+    bounded = log_ratio.clamp(-clip_low, clip_high)  # [N]
+    c = sign * torch.minimum(sign * log_ratio, sign * bounded)  # [N]
+    c = c.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    mean_c = gather(segment_mean(c.detach(), valid, segments), segments)  # [N]
+    ratio = torch.exp(mean_c + c - c.detach())  # [N], value R of the document
+    clipped_high = (advantages > 0) & (log_ratio > clip_high)
+    clipped_low = (advantages < 0) & (log_ratio < -clip_low)
+    return Surrogate(-advantages * ratio, clipped_low, clipped_high)
+
+
+def reinforce_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor) -> Surrogate:
+    """REINFORCE with an importance ratio and no clip.
+
+    Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist
+    Reinforcement Learning" (the REINFORCE estimator), with a per-token importance ratio::
+
+        L = −A · r          (gradient −A · r ∇log π; on-policy r = 1 gives −A ∇log π)
+    """
+    ratio = _ratio(log_ratio)  # [N]
+    no_clip = torch.zeros_like(ratio, dtype=torch.bool)
+    return Surrogate(-advantages * ratio, no_clip, no_clip)
+
+
+def dppo_surrogate(
+    log_ratio: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    delta_low: float,
+    delta_high: float,
+    ratio_cap: float,
+) -> Surrogate:
+    """DPPO-Binary-TV: a binary trust-region mask on the probability difference.
+
+    "Rethinking the Trust Region in LLM Reinforcement Learning" (arXiv:2602.04879),
+    DPPO-Binary-TV. With ``p = π_θ(y_t)``, ``p_old = π_old(y_t)``::
+
+        M = [p − p_old <= δ_high]  if A > 0  else  [p − p_old >= −δ_low]
+        L = −A · sg(min(r, cap)) · log π_θ · sg(M)
+
+    Tokens only leave the update when moving them further would widen the divergence in the
+    direction the advantage pushes.
+    """
+    ratio = _ratio(log_ratio)  # [N]
+    diff = (logprobs.exp() - old_logprobs.exp()).detach()  # [N]
+    over_high = (advantages > 0) & (diff > delta_high)  # [N]
+    over_low = (advantages <= 0) & (diff < -delta_low)  # [N]
+    keep = (~(over_high | over_low)).to(logprobs.dtype)  # [N]
+    weight = ratio.clamp(max=ratio_cap).detach()  # [N]
+    loss = -advantages * weight * logprobs * keep  # [N]
+    return Surrogate(loss, over_low & (advantages < 0), over_high)
