@@ -55,6 +55,7 @@ def truth_logprobs(hidden, weight, labels, bias, temperature, softcap, ignore_in
 @dataclass(frozen=True)
 class Case:
     dtype: str = "fp32"
+    weight_dtype: str | None = None  # weight and bias dtype when it differs from hidden's
     shape: tuple = (123,)  # labels' shape: (N,) or (B, T)
     H: int = 67
     V: int = 1003
@@ -72,7 +73,8 @@ class Case:
 
     @property
     def id(self) -> str:
-        parts = [self.dtype, "x".join(map(str, self.shape)), f"H{self.H}", f"V{self.V}"]
+        parts = [self.dtype] + ([f"w{self.weight_dtype}"] if self.weight_dtype else [])
+        parts += ["x".join(map(str, self.shape)), f"H{self.H}", f"V{self.V}"]
         parts += ["bias"] if self.bias else []
         parts += [f"T-{self.temperature}"] if self.temperature != "one" else []
         parts += [f"cap{self.softcap}"] if self.softcap is not None else []
@@ -130,6 +132,9 @@ CASES = [
     replace(_BF16, softcap=3.0, chunk=1, loss="logp"),
     replace(_BF16, shape=(2, 19), chunk="N+5", with_entropy=False, loss="logp"),
     replace(_BF16, frozen="weight", chunk=7),
+    # bf16 activations, fp32 master weight, bf16 projection (weight/bias grads land in fp32)
+    replace(_BF16, shape=(61,), weight_dtype="fp32", head_dtype="bf16", bias=True),
+    replace(_BF16, shape=(61,), weight_dtype="fp32", head_dtype="bf16", bias=True, chunk=7),
     # bf16 model, fp32 head (vLLM's fp32 LM head): weight grad lands in the bf16 .grad
     replace(_BF16, head_dtype="fp32"),
     replace(_BF16, head_dtype="fp32", chunk=7, bias=True, softcap=3.0, temperature="scalar"),
@@ -151,6 +156,7 @@ def small_tiles(monkeypatch):
 def make_inputs(case: Case) -> dict:
     """Random inputs for ``case``; logits have std ~3 so the distributions are not flat."""
     dtype = DTYPES[case.dtype]
+    w_dtype = DTYPES[case.weight_dtype or case.dtype]
     hidden = torch.randn(*case.shape, case.H)
     weight = torch.randn(case.V, case.H) * (3.0 / math.sqrt(case.H))
     bias = torch.randn(case.V) if case.bias else None
@@ -173,8 +179,8 @@ def make_inputs(case: Case) -> dict:
     chunk = {"N": n, "N+5": n + 5}.get(case.chunk, case.chunk)
     return {
         "hidden": hidden.to(dtype),
-        "weight": weight.to(dtype),
-        "bias": None if bias is None else bias.to(dtype),
+        "weight": weight.to(w_dtype),
+        "bias": None if bias is None else bias.to(w_dtype),
         "labels": labels,
         "temperature": temperature,
         "chunk": chunk,
@@ -205,11 +211,16 @@ def run_case(fn, case: Case, inp: dict, *, as_float64: bool = False) -> dict:
     dt = torch.float64 if as_float64 else None
     leaves = {k: _leaf(inp[k], need[k], dt) for k in ("hidden", "weight", "bias")}
     if as_float64:
+        # The projection's inputs are rounded to head_dtype (a straight-through cast for autograd).
+        hd = DTYPES[case.head_dtype] if case.head_dtype else None
+        cast = {
+            k: None if t is None or hd is None else t.to(hd).double() for k, t in leaves.items()
+        }
         logp, ent = truth_logprobs(
-            leaves["hidden"],
-            leaves["weight"],
+            cast["hidden"] if hd else leaves["hidden"],
+            cast["weight"] if hd else leaves["weight"],
             inp["labels"],
-            leaves["bias"],
+            cast["bias"] if hd else leaves["bias"],
             inp["temperature"],
             case.softcap,
             case.ignore_index,
@@ -544,3 +555,32 @@ def test_gradcheck_float64(chunk):
         return out.logprobs.double(), out.entropy.double()
 
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias), eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("chunk", [None, 2], ids=["one-tile", "chunk2"])
+def test_double_backward_is_right_or_refused(chunk):
+    """create_graph=True through the op (Hessian-vector products, gradient penalties) must give
+    the reference's second derivatives, or refuse the way ``@once_differentiable`` does (its
+    "differentiate twice" error, or a first-order gradient without a graph when the upstream
+    gradient is a constant); never a silently wrong number or a version-counter error."""
+    hidden = torch.randn(6, 4, dtype=torch.float64)
+    weight = torch.randn(7, 4, dtype=torch.float64)
+    labels = torch.tensor([1, 6, -100, 0, 3, 3])
+    g, v = torch.randn(6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+
+    def second_derivative(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp = fn(h, w, labels, chunk_size=chunk).logprobs
+        (gh,) = torch.autograd.grad((logp * g).sum(), h, create_graph=True)
+        (ggw,) = torch.autograd.grad((gh * v).sum(), w)
+        return ggw
+
+    want = second_derivative(reference.linear_logprobs)
+    try:
+        got = second_derivative(logitless.linear_logprobs)
+    except RuntimeError as ex:
+        refusals = ("differentiate twice", "does not require grad and does not have a grad_fn")
+        assert any(r in str(ex) for r in refusals), f"unexpected error: {ex}"
+        return
+    # fp32 softmax by contract: compare at fp32 accuracy.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
