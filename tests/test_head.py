@@ -19,7 +19,12 @@ from _tolerance import assert_no_worse_than_reference, error_report
 import logitless
 from logitless import reference
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,6 +137,8 @@ CASES = [
     replace(_BF16, softcap=3.0, chunk=1, loss="logp"),
     replace(_BF16, shape=(2, 19), chunk="N+5", with_entropy=False, loss="logp"),
     replace(_BF16, frozen="weight", chunk=7),
+    # fp16
+    replace(_BF16, dtype="fp16", chunk=7, bias=True, softcap=3.0, temperature="tensor"),
     # bf16 activations, fp32 master weight, bf16 projection (weight/bias grads land in fp32)
     replace(_BF16, shape=(61,), weight_dtype="fp32", head_dtype="bf16", bias=True),
     replace(_BF16, shape=(61,), weight_dtype="fp32", head_dtype="bf16", bias=True, chunk=7),
@@ -192,7 +199,10 @@ def make_inputs(case: Case) -> dict:
 def _leaf(t, requires_grad, dtype=None):
     if t is None:
         return None
-    t = t.detach().clone() if dtype is None else t.detach().to(dtype)
+    if dtype is None:  # an independent copy with the same strides, gaps included
+        t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t.detach())
+    else:
+        t = t.detach().to(dtype)
     return t.requires_grad_(requires_grad)
 
 
@@ -505,6 +515,28 @@ def test_large_logits_stay_finite_and_accurate(chunk):
         if v is not None:
             assert bool(torch.isfinite(v).all()), f"{k} is not finite"
             assert_no_worse_than_reference(v, ref[k], truth[k], k)
+
+
+def test_layout_and_label_dtype_do_not_matter():
+    # Non-contiguous hidden (a strided slice) and weight (a transposed [H, V] view, as a tied
+    # embedding stored the other way round), int32 labels: same numbers as contiguous int64.
+    case = Case(bias=True, temperature="tensor", softcap=3.0, chunk=7)
+    inp = make_inputs(case)
+    base = run_case(logitless.linear_logprobs, case, inp)
+    wide = torch.zeros(*inp["hidden"].shape[:-1], 2 * case.H)
+    wide[..., ::2] = inp["hidden"]
+    strided = dict(
+        inp,
+        hidden=wide[..., ::2],
+        weight=inp["weight"].t().contiguous().t(),
+        labels=inp["labels"].int(),
+    )
+    assert not strided["hidden"].is_contiguous() and not strided["weight"].is_contiguous()
+    assert not _leaf(strided["hidden"], True).is_contiguous()
+    got = run_case(logitless.linear_logprobs, case, strided)
+    for k, v in base.items():
+        scale = max(1.0, float(v.abs().max()))
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5 * scale, msg=k)
 
 
 def test_module_form_matches_function():
