@@ -115,7 +115,7 @@ def sapo_surrogate(
     decaying smoothly as ``r`` leaves 1.
     """
     ratio = _ratio(log_ratio)  # [N]
-    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)  # [N]
+    tau = torch.where(advantages > 0, tau_pos, torch.full_like(ratio, tau_neg))  # [N]
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [N]
     no_clip = torch.zeros_like(ratio, dtype=torch.bool)
     return Surrogate(-advantages * gate, no_clip, no_clip)
