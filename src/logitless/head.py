@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from ._chunked import HeadOptions, LinearLogprobsFunction, Schedule, forward_rows
-from ._validate import check_chunk_size, check_head_args
+from ._validate import HeadArgs, check_chunk_size, check_head_args
 from .types import LogProbs
 
 
@@ -86,39 +88,70 @@ def linear_logprobs(
         ignore_index=ignore_index,
         head_dtype=head_dtype,
     )
-    num_tokens = args.labels.numel()
-    valid = args.labels != ignore_index
-    # One host sync: drop ignored rows before any FLOP (skipped when every row is valid).
-    idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
-    rows_h, rows_y = args.hidden, args.labels
-    rows_t = args.temperature if isinstance(args.temperature, torch.Tensor) else None
-    if idx is not None:
-        rows_h = rows_h.index_select(0, idx)
-        rows_y = rows_y.index_select(0, idx)
-        rows_t = None if rows_t is None else rows_t.index_select(0, idx)
-
-    opts = HeadOptions(
-        softcap=args.softcap,
-        temperature=None if rows_t is not None else float(args.temperature),
-        with_entropy=with_entropy,
-        head_dtype=args.head_dtype,
-        schedule=Schedule.choose(rows_y.numel(), weight.shape[0], weight.device, chunk_size),
+    rows = select_rows(args, ignore_index)
+    opts = head_options(
+        args,
+        rows,
+        with_entropy,
+        Schedule.choose(rows.labels.numel(), weight.shape[0], weight.device, chunk_size),
     )
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
-        out = LinearLogprobsFunction.apply(rows_h, weight, bias, rows_y, rows_t, opts)
+        out = LinearLogprobsFunction.apply(
+            rows.hidden, weight, bias, rows.labels, rows.temperature, opts
+        )
         logp, ent = out if with_entropy else (out, None)
     else:
-        logp, _, ent, _ = forward_rows(rows_h, weight, bias, rows_y, rows_t, opts)
+        logp, _, ent, _ = forward_rows(
+            rows.hidden, weight, bias, rows.labels, rows.temperature, opts
+        )
+    return LogProbs(rows.scatter(logp), None if ent is None else rows.scatter(ent))
 
-    def scatter_back(values: torch.Tensor | None) -> torch.Tensor | None:
-        if values is None:
-            return None
-        if idx is not None:
-            values = values.new_zeros(num_tokens).index_copy(0, idx, values)
-        return values.reshape(args.batch_shape)
 
-    return LogProbs(scatter_back(logp), scatter_back(ent))
+class Rows(NamedTuple):
+    """The valid rows of a head call (label != ignore_index), ready for the kernels.
+
+    hidden: [M, H] (a differentiable gather of the caller's rows); labels: [M] int64;
+    temperature: [M] fp32 or None (scalar temperature); index: [M] row ids into the flattened
+    batch, or None when every row is valid; num_tokens / batch_shape: the caller's layout.
+    """
+
+    hidden: torch.Tensor
+    labels: torch.Tensor
+    temperature: torch.Tensor | None
+    index: torch.Tensor | None
+    num_tokens: int
+    batch_shape: torch.Size
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[M] per-row values -> the caller's ``labels.shape``, 0.0 at ignored rows."""
+        if self.index is not None:
+            values = values.new_zeros(self.num_tokens).index_copy(0, self.index, values)
+        return values.reshape(self.batch_shape)
+
+
+def select_rows(args: HeadArgs, ignore_index: int) -> Rows:
+    """Drop ignored rows before any FLOP (one host sync; no copy when every row is valid)."""
+    valid = args.labels != ignore_index
+    idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+    hidden, labels = args.hidden, args.labels
+    temp = args.temperature if isinstance(args.temperature, torch.Tensor) else None
+    if idx is not None:
+        hidden = hidden.index_select(0, idx)
+        labels = labels.index_select(0, idx)
+        temp = None if temp is None else temp.index_select(0, idx)
+    return Rows(hidden, labels, temp, idx, args.labels.numel(), args.batch_shape)
+
+
+def head_options(args: HeadArgs, rows: Rows, with_entropy: bool, schedule: Schedule) -> HeadOptions:
+    """Kernel options of a validated call."""
+    return HeadOptions(
+        softcap=args.softcap,
+        temperature=None if rows.temperature is not None else float(args.temperature),
+        with_entropy=with_entropy,
+        head_dtype=args.head_dtype,
+        schedule=schedule,
+    )
 
 
 class LinearLogprobs(nn.Module):
