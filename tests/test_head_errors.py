@@ -232,11 +232,7 @@ def test_chunk_size_invalid(head, chunk_size):
         _call(head, chunk_size=chunk_size)
 
 
-# ---- op only -----------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("with_entropy", [1, "yes", None])
-def test_with_entropy_not_bool(with_entropy):
-    # Only the op checks this; the reference takes any truthy value.
+def test_with_entropy_not_bool(head, with_entropy):
     with pytest.raises(ValueError, match=r"with_entropy must be a bool"):
-        _call(logitless.linear_logprobs, with_entropy=with_entropy)
+        _call(head, with_entropy=with_entropy)

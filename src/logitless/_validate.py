@@ -58,6 +58,12 @@ def check_chunk_size(chunk_size: object) -> int | None:
     return chunk_size
 
 
+def check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def check_head_args(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ._chunked import HeadOptions, LinearLogprobsFunction, Schedule, forward_rows
-from ._validate import HeadArgs, check_chunk_size, check_head_args
+from ._validate import HeadArgs, check_chunk_size, check_flag, check_head_args
 from .types import LogProbs
 
 
@@ -76,8 +76,7 @@ def linear_logprobs(
         >>> (out.logprobs.sum() + 0.01 * out.entropy.sum()).backward()
     """
     chunk_size = check_chunk_size(chunk_size)
-    if not isinstance(with_entropy, bool):
-        raise ValueError(f"with_entropy must be a bool, got {with_entropy!r}")
+    check_flag("with_entropy", with_entropy)
     args = check_head_args(
         hidden,
         weight,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_chunk_size, check_head_args
+from ._validate import check_chunk_size, check_flag, check_head_args
 from .types import LogProbs
 
 
@@ -41,6 +41,7 @@ def linear_logprobs(
     accepted for signature parity and ignored.
     """
     check_chunk_size(chunk_size)
+    check_flag("with_entropy", with_entropy)
     args = check_head_args(
         hidden,
         weight,
