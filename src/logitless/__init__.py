@@ -1,16 +1,25 @@
 """logitless: LM-head log-probs, entropy and RL policy losses without materializing logits."""
 
-from . import packing, reference
+from . import advantages, losses, packing, reference
+from .fused_loss import fused_policy_loss
 from .head import LinearLogprobs, linear_logprobs
+from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
 from .packing import next_token_labels, segment_sum
 from .types import LogProbs
 
 __all__ = [
     "LinearLogprobs",
     "LogProbs",
+    "LossNormalizer",
+    "PolicyLossConfig",
+    "advantages",
+    "fused_policy_loss",
     "linear_logprobs",
+    "loss_normalizer",
+    "losses",
     "next_token_labels",
     "packing",
+    "policy_loss",
     "reference",
     "segment_sum",
 ]

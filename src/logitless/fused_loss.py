@@ -1,0 +1,226 @@
+"""LM head + policy loss in one pass: the parameter gradients are computed in the forward pass.
+
+This is the one module where the head and the losses meet. The composed path
+``policy_loss(linear_logprobs(...).logprobs, ...)`` recomputes the logits in backward (four
+head matmuls). Here, the gradient of the loss with respect to each row's log-prob and entropy
+is taken while that row chunk's logits are still in memory, so the head costs three matmuls
+and one ``[chunk, V]`` buffer; only the gradients (dW, dh, db) live until ``backward()``.
+
+Which losses allow that: a loss is *token-local* when the gradient for a token depends only on
+that token's own log-prob (PPO clip, CISPO, SAPO, REINFORCE, DPPO, KL, entropy bonus, every
+aggregation, and the mismatch corrections, whose weights come from old vs rollout log-probs).
+Sequence-level ratios (GSPO's ``ratio_level="sequence"``, GMPO) need whole-document sums
+before any token's gradient is known: they get a cheap no-grad pass first (one matmul), then
+the same gradient pass, so documents may span chunks freely.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ._chunked import Schedule, forward_rows, fused_rows
+from ._validate import check_chunk_size, check_head_args
+from .head import Rows, head_options, select_rows
+from .losses import LossNormalizer, PolicyLossConfig, policy_loss
+
+
+def is_token_local(config: PolicyLossConfig) -> bool:
+    """True when each token's loss gradient depends on its own log-prob only (see module doc)."""
+    return config.ratio_level == "token" and config.surrogate != "gmpo"
+
+
+def fused_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    config: PolicyLossConfig,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    head_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    document_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    normalizer: LossNormalizer | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy loss straight from hidden states, with the head's gradients taken in forward.
+
+    Returns the same ``(loss, metrics)`` as, and the same gradients for hidden, weight and
+    bias as::
+
+        out = linear_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
+                              softcap=softcap, head_dtype=head_dtype,
+                              with_entropy=config.entropy_coef != 0)
+        policy_loss(out.logprobs, old_logprobs, advantages, labels != ignore_index,
+                    config=config, document_ids=document_ids, ref_logprobs=ref_logprobs,
+                    rollout_logprobs=rollout_logprobs, entropy=out.entropy,
+                    normalizer=normalizer)
+
+    without ``[tokens, vocab]`` logits and with three head matmuls instead of four for
+    token-local losses (four for sequence-level ratios: a no-grad pass, then the gradient pass).
+
+    ``loss.backward()`` works as for any loss; scaling the loss (gradient accumulation, loss
+    scale) scales the stored gradients. The gradients are released by the first backward: a
+    second one raises ``RuntimeError``. Under ``torch.no_grad()`` only the loss and metrics are
+    computed (one head matmul) and nothing is stored.
+
+    Args:
+        hidden: ``[N, H]`` or ``[B, T, H]`` final hidden states.
+        weight: ``[V, H]`` head weight; bias ``[V]`` or None.
+        labels: ``[N]`` / ``[B, T]`` next-token ids; ``ignore_index`` marks tokens that do not
+            count (prompt, padding): they are the loss mask.
+        old_logprobs, advantages, document_ids, ref_logprobs, rollout_logprobs, normalizer,
+            config: as in :func:`logitless.policy_loss`.
+        temperature, softcap, head_dtype, chunk_size: as in :func:`logitless.linear_logprobs`;
+            here ``chunk_size`` is the rows whose ``[rows, V]`` logits are held at once (None:
+            a 256 MiB fp32 budget on CPU, 1 GiB on accelerators).
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
+    """
+    chunk_size = check_chunk_size(chunk_size)
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    args = check_head_args(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=temperature,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        head_dtype=head_dtype,
+    )
+    if len(args.batch_shape) not in (1, 2):
+        raise ValueError(
+            f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "
+            f"{list(args.batch_shape)}"
+        )
+    with_entropy = config.entropy_coef != 0
+    rows = select_rows(args, ignore_index)
+    mask = (args.labels != ignore_index).reshape(args.batch_shape)
+
+    def loss_of(logp_rows: torch.Tensor, ent_rows: torch.Tensor | None):
+        return policy_loss(
+            rows.scatter(logp_rows),
+            old_logprobs,
+            advantages,
+            mask,
+            config=config,
+            document_ids=document_ids,
+            ref_logprobs=ref_logprobs,
+            rollout_logprobs=rollout_logprobs,
+            entropy=None if ent_rows is None else rows.scatter(ent_rows),
+            normalizer=normalizer,
+        )
+
+    tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
+    vocab = weight.shape[0]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
+        schedule = Schedule.choose(rows.labels.numel(), vocab, weight.device, chunk_size)
+        opts = head_options(args, rows, with_entropy, schedule)
+        logp, _, ent, _ = forward_rows(
+            rows.hidden, weight, bias, rows.labels, rows.temperature, opts
+        )
+        return loss_of(logp, ent)
+
+    # Values the loss sees for rows outside the chunk being differentiated. Token-local: any
+    # finite value (old log-probs: ratio 1). Sequence-level: the exact values, from a no-grad
+    # pass, so that every document statistic is right whichever chunk a token falls in.
+    if is_token_local(config):
+        prefill = _rows_of(old_logprobs, rows).detach().float()
+        prefill_ent = torch.zeros_like(prefill) if with_entropy else None
+    else:
+        schedule = Schedule.choose(rows.labels.numel(), vocab, weight.device, chunk_size)
+        with torch.no_grad():
+            prefill, _, prefill_ent, _ = forward_rows(
+                rows.hidden.detach(),
+                weight.detach(),
+                None if bias is None else bias.detach(),
+                rows.labels,
+                rows.temperature,
+                head_options(args, rows, with_entropy, schedule),
+            )
+
+    def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
+        """d loss / d (logp, entropy) of rows [r0, r1), the other rows held at the prefill."""
+        with torch.enable_grad():
+            lp = logp_c.detach().requires_grad_()
+            full_lp = torch.cat([prefill[:r0], lp, prefill[r1:]])
+            inputs = [lp]
+            full_ent = None
+            if ent_c is not None:
+                en = ent_c.detach().requires_grad_()
+                full_ent = torch.cat([prefill_ent[:r0], en, prefill_ent[r1:]])
+                inputs.append(en)
+            loss_c, _ = loss_of(full_lp, full_ent)
+            grads = torch.autograd.grad(loss_c, inputs, allow_unused=True)
+        g = grads[0] if grads[0] is not None else torch.zeros_like(logp_c)
+        return g, (grads[1] if ent_c is not None else None)
+
+    schedule = Schedule.choose_fused(rows.labels.numel(), vocab, weight.device, chunk_size)
+    needs = (
+        rows.hidden.requires_grad,
+        weight.requires_grad,
+        bias is not None and bias.requires_grad,
+    )
+    logp, ent, grads = fused_rows(
+        rows.hidden.detach(),
+        weight.detach(),
+        None if bias is None else bias.detach(),
+        rows.labels,
+        rows.temperature,
+        head_options(args, rows, with_entropy, schedule),
+        grad_fn,
+        needs,
+    )
+    with torch.no_grad():
+        loss, metrics = loss_of(logp, ent)
+    loss = _StoredGradients.apply(loss, _GradStore(grads), rows.hidden, weight, bias)
+    return loss, metrics
+
+
+def _rows_of(values: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """[M] entries of a per-token tensor shaped like labels, at the valid rows."""
+    if not isinstance(values, torch.Tensor) or values.shape != rows.batch_shape:
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(
+            f"old_logprobs must be a tensor of labels' shape {list(rows.batch_shape)}, got {got}"
+        )
+    flat = values.reshape(-1)
+    return flat if rows.index is None else flat.index_select(0, rows.index)
+
+
+class _GradStore:
+    """Gradients computed in forward, handed to autograd once by the first backward."""
+
+    def __init__(self, grads: tuple) -> None:
+        self.grads: tuple | None = grads
+
+
+class _StoredGradients(torch.autograd.Function):
+    """Returns the loss value; its backward returns the stored gradients × the upstream scale."""
+
+    @staticmethod
+    def forward(ctx, loss, store: _GradStore, hidden, weight, bias):
+        ctx.store = store
+        return loss.detach().clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        grads, ctx.store.grads = ctx.store.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "fused_policy_loss: backward was already called on this loss. Its gradients "
+                "are computed in the forward pass and released by the first backward; compute "
+                "the loss again to backpropagate again."
+            )
+        dh, dw, db = (None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        return None, None, dh, dw, db
