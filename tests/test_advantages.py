@@ -23,9 +23,12 @@ def test_grpo_hand_worked():
     s = (1 / 3) ** 0.5
     expected = torch.tensor([(2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s, 0.0, 0.0, 0.0], dtype=D)
     assert_close(a, expected, rtol=1e-14, atol=0)
-    assert_close(dr_grpo_advantages(r, group_size=3),
-                 torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0], dtype=D),
-                 rtol=1e-14, atol=1e-16)
+    assert_close(
+        dr_grpo_advantages(r, group_size=3),
+        torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0], dtype=D),
+        rtol=1e-14,
+        atol=1e-16,
+    )
 
 
 def test_rloo_hand_worked():

@@ -113,9 +113,7 @@ def test_sapo_hand_worked():
     s = 1.0 / (1.0 + math.exp(-1.05))  # sigma(1.05 * (2 - 1))
     assert_close(out.loss, t(-2.0, 2.0 / 1.05, 4.0 / 1.05 * s), rtol=0, atol=1e-12)
     # d/dlog r = -A * 4 sigma (1 - sigma) * r
-    assert_close(
-        grad_of(out.loss, x), t(-1.0, 1.0, 4.0 * s * (1 - s) * 2.0), rtol=0, atol=1e-12
-    )
+    assert_close(grad_of(out.loss, x), t(-1.0, 1.0, 4.0 * s * (1 - s) * 2.0), rtol=0, atol=1e-12)
 
 
 def test_gmpo_hand_worked_geometric_mean_of_log_clipped_ratios():
@@ -132,8 +130,14 @@ def test_gmpo_hand_worked_geometric_mean_of_log_clipped_ratios():
     assert out.clipped_high.tolist() == [False, True, False]
     # A < 0 clips from below: c = [0.6, -0.4]; R = exp(0.1); loss = +R
     x2 = torch.tensor([0.6, -0.7], dtype=D)
-    out2 = gmpo_surrogate(x2, t(-1.0, -1.0), torch.ones(2, dtype=torch.bool),
-                          Segments(torch.zeros(2, dtype=torch.long), 1), 0.4, 0.4)
+    out2 = gmpo_surrogate(
+        x2,
+        t(-1.0, -1.0),
+        torch.ones(2, dtype=torch.bool),
+        Segments(torch.zeros(2, dtype=torch.long), 1),
+        0.4,
+        0.4,
+    )
     assert_close(out2.loss, t(math.exp(0.1), math.exp(0.1)), rtol=0, atol=1e-12)
     assert out2.clipped_low.tolist() == [False, True]
 

@@ -100,8 +100,10 @@ def make_batch(seed=0, lengths=(5, 2, 4), T=6, per_sequence_adv=False):
     ref = lp + (torch.rand(B, T, generator=g, dtype=D) - 0.5) * 0.4
     rollout = old + (torch.rand(B, T, generator=g, dtype=D) - 0.5) * 0.6
     ent = torch.rand(B, T, generator=g, dtype=D) * 3
-    adv = torch.randn(B, generator=g, dtype=D) if per_sequence_adv else torch.randn(
-        B, T, generator=g, dtype=D
+    adv = (
+        torch.randn(B, generator=g, dtype=D)
+        if per_sequence_adv
+        else torch.randn(B, T, generator=g, dtype=D)
     )
     # garbage where the mask is off: must not leak into the loss or its gradient
     lp = torch.where(mask, lp, -math.inf)
@@ -117,8 +119,11 @@ def docs_of(batch, lp, ent):
         a = batch["adv"][b]
         docs.append(
             dict(
-                lp=lp[b][m], old=batch["old"][b][m], ref=batch["ref"][b][m],
-                rollout=batch["rollout"][b][m], ent=ent[b][m],
+                lp=lp[b][m],
+                old=batch["old"][b][m],
+                ref=batch["ref"][b][m],
+                rollout=batch["rollout"][b][m],
+                ent=ent[b][m],
                 a=a.expand(int(m.sum())) if a.dim() == 0 else a[m],
             )
         )
@@ -129,17 +134,29 @@ def docs_of(batch, lp, ent):
 @pytest.mark.parametrize("surrogate", TOKEN_SURROGATES)
 def test_matches_reference_every_variant_and_aggregation(surrogate, aggregation):
     cfg = PolicyLossConfig(
-        surrogate=surrogate, aggregation=aggregation, clip_low=0.1, clip_high=0.15,
-        kl_coef=0.05, entropy_coef=0.01, norm_length=NORM_LEN,
-        mismatch_is="token", mismatch_is_cap=1.1,
+        surrogate=surrogate,
+        aggregation=aggregation,
+        clip_low=0.1,
+        clip_high=0.15,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        norm_length=NORM_LEN,
+        mismatch_is="token",
+        mismatch_is_cap=1.1,
         dual_clip=1.3 if surrogate == "ppo_clip" else None,
     )
     batch = make_batch(seed=hash((surrogate, aggregation)) % 1000)
     lp = batch["lp"].clone().requires_grad_(True)
     ent = batch["ent"].clone().requires_grad_(True)
     loss, metrics = policy_loss(
-        lp, batch["old"], batch["adv"], batch["mask"], config=cfg,
-        ref_logprobs=batch["ref"], rollout_logprobs=batch["rollout"], entropy=ent,
+        lp,
+        batch["old"],
+        batch["adv"],
+        batch["mask"],
+        config=cfg,
+        ref_logprobs=batch["ref"],
+        rollout_logprobs=batch["rollout"],
+        entropy=ent,
     )
     lp_r = batch["lp"].clone().requires_grad_(True)
     ent_r = batch["ent"].clone().requires_grad_(True)
@@ -166,8 +183,11 @@ def test_sequence_level_variants_match_sequence_objective(surrogate):
     """
     level = "sequence" if surrogate == "ppo_clip" else "token"
     cfg = PolicyLossConfig(
-        surrogate=surrogate, ratio_level=level, aggregation="seq_mean_token_mean",
-        clip_low=0.05, clip_high=0.08,
+        surrogate=surrogate,
+        ratio_level=level,
+        aggregation="seq_mean_token_mean",
+        clip_low=0.05,
+        clip_high=0.08,
     )
     batch = make_batch(seed=3, per_sequence_adv=True)
     lp = batch["lp"].clone().requires_grad_(True)
@@ -182,19 +202,33 @@ def test_sequence_level_variants_match_sequence_objective(surrogate):
             s = torch.exp(lr.mean())
             term = torch.maximum(-a * s, -a * s.clamp(1 - 0.05, 1 + 0.08))
         else:
-            c = torch.where(a > 0, torch.minimum(lr, lr.clamp(-0.05, 0.08)),
-                            torch.maximum(lr, lr.clamp(-0.05, 0.08)))
+            c = torch.where(
+                a > 0,
+                torch.minimum(lr, lr.clamp(-0.05, 0.08)),
+                torch.maximum(lr, lr.clamp(-0.05, 0.08)),
+            )
             term = -a * torch.exp(c.mean())
         expected = expected + term / len(docs)
     assert_close(loss, expected, rtol=1e-12, atol=1e-14)
-    assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(expected, lp_r)[0],
-                 rtol=1e-10, atol=1e-14)
+    assert_close(
+        torch.autograd.grad(loss, lp)[0],
+        torch.autograd.grad(expected, lp_r)[0],
+        rtol=1e-10,
+        atol=1e-14,
+    )
 
 
 @pytest.mark.parametrize(
     ("surrogate", "level"),
-    [("ppo_clip", "token"), ("ppo_clip", "sequence"), ("sapo", "token"), ("sapo", "sequence"),
-     ("reinforce", "token"), ("reinforce", "sequence"), ("gmpo", "token")],
+    [
+        ("ppo_clip", "token"),
+        ("ppo_clip", "sequence"),
+        ("sapo", "token"),
+        ("sapo", "sequence"),
+        ("reinforce", "token"),
+        ("reinforce", "sequence"),
+        ("gmpo", "token"),
+    ],
 )
 def test_policy_loss_gradcheck(surrogate, level):
     """Finite differences of the whole loss (surrogate + k3 KL), float64.
@@ -204,16 +238,23 @@ def test_policy_loss_gradcheck(surrogate, level):
     stop-gradient weights by design; they are gradchecked in test_losses.py with the weights
     held fixed.
     """
-    cfg = PolicyLossConfig(surrogate=surrogate, ratio_level=level, kl_coef=0.1,
-                           aggregation="seq_mean_token_mean", clip_low=0.1, clip_high=0.12,
-                           dual_clip=1.5 if surrogate == "ppo_clip" else None)
+    cfg = PolicyLossConfig(
+        surrogate=surrogate,
+        ratio_level=level,
+        kl_coef=0.1,
+        aggregation="seq_mean_token_mean",
+        clip_low=0.1,
+        clip_high=0.12,
+        dual_clip=1.5 if surrogate == "ppo_clip" else None,
+    )
     batch = make_batch(seed=5, per_sequence_adv=True)
     mask = batch["mask"]
     lp = torch.where(mask, batch["lp"], -1.0).requires_grad_(True)
 
     def f(lp):
-        return policy_loss(lp, batch["old"], batch["adv"], mask, config=cfg,
-                           ref_logprobs=batch["ref"])[0]
+        return policy_loss(
+            lp, batch["old"], batch["adv"], mask, config=cfg, ref_logprobs=batch["ref"]
+        )[0]
 
     assert torch.autograd.gradcheck(f, (lp,), eps=1e-6, atol=1e-8)
 
@@ -232,15 +273,17 @@ def make_docs(seed=0):
     for n in DOC_LENGTHS:
         lp = -torch.rand(n, generator=g, dtype=D) * 2 - 0.1
         old = lp + (torch.rand(n, generator=g, dtype=D) - 0.5) * 0.6
-        docs.append(dict(
-            lp=lp.requires_grad_(True),
-            old=old,
-            ref=lp.detach() + (torch.rand(n, generator=g, dtype=D) - 0.5) * 0.4,
-            rollout=old + (torch.rand(n, generator=g, dtype=D) - 0.5) * 0.4,
-            ent=(torch.rand(n, generator=g, dtype=D) * 3).requires_grad_(True),
-            a=torch.randn((), generator=g, dtype=D),
-            mask=torch.rand(n, generator=g) > 0.2,
-        ))
+        docs.append(
+            dict(
+                lp=lp.requires_grad_(True),
+                old=old,
+                ref=lp.detach() + (torch.rand(n, generator=g, dtype=D) - 0.5) * 0.4,
+                rollout=old + (torch.rand(n, generator=g, dtype=D) - 0.5) * 0.4,
+                ent=(torch.rand(n, generator=g, dtype=D) * 3).requires_grad_(True),
+                a=torch.randn((), generator=g, dtype=D),
+                mask=torch.rand(n, generator=g) > 0.2,
+            )
+        )
     docs[1]["mask"][:] = True  # the one-token document counts
     return docs
 
@@ -272,24 +315,50 @@ def pack(docs, pad_every=2, pad_end=3):
 
 def run_packed(cfg, stream, normalizer=None):
     return policy_loss(
-        stream["lp"], stream["old"], stream["adv"], stream["mask"], config=cfg,
-        document_ids=stream["ids"], ref_logprobs=stream["ref"],
-        rollout_logprobs=stream["rollout"], entropy=stream["ent"], normalizer=normalizer,
+        stream["lp"],
+        stream["old"],
+        stream["adv"],
+        stream["mask"],
+        config=cfg,
+        document_ids=stream["ids"],
+        ref_logprobs=stream["ref"],
+        rollout_logprobs=stream["rollout"],
+        entropy=stream["ent"],
+        normalizer=normalizer,
     )
 
 
-ADDITIVE_METRICS = ["loss", "pg_loss", "clip_frac_low", "clip_frac_high", "ratio_mean",
-                    "approx_kl", "kl_ref", "entropy", "mismatch_kl", "is_weight_mean",
-                    "is_masked_frac", "num_tokens", "num_sequences"]
+ADDITIVE_METRICS = [
+    "loss",
+    "pg_loss",
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "approx_kl",
+    "kl_ref",
+    "entropy",
+    "mismatch_kl",
+    "is_weight_mean",
+    "is_masked_frac",
+    "num_tokens",
+    "num_sequences",
+]
 
 
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_micro_batch_split_equals_whole_batch(aggregation, ratio_level):
     cfg = PolicyLossConfig(
-        aggregation=aggregation, ratio_level=ratio_level, norm_length=NORM_LEN,
-        clip_low=0.1, clip_high=0.12, kl_coef=0.1, entropy_coef=0.02,
-        mismatch_is="sequence", mismatch_is_cap=1.3, mismatch_token_mask=(0.85, 1.15),
+        aggregation=aggregation,
+        ratio_level=ratio_level,
+        norm_length=NORM_LEN,
+        clip_low=0.1,
+        clip_high=0.12,
+        kl_coef=0.1,
+        entropy_coef=0.02,
+        mismatch_is="sequence",
+        mismatch_is_cap=1.3,
+        mismatch_token_mask=(0.85, 1.15),
     )
     docs = make_docs()
     leaves = [d["lp"] for d in docs] + [d["ent"] for d in docs]
@@ -313,16 +382,24 @@ def test_micro_batch_split_equals_whole_batch(aggregation, ratio_level):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_micro_batch_split_rows_of_padded_batch(aggregation):
     """[B, T] micro-batches (rows, uneven sizes) with a shared normalizer."""
-    cfg = PolicyLossConfig(aggregation=aggregation, norm_length=NORM_LEN, kl_coef=0.1,
-                           entropy_coef=0.05)
+    cfg = PolicyLossConfig(
+        aggregation=aggregation, norm_length=NORM_LEN, kl_coef=0.1, entropy_coef=0.05
+    )
     batch = make_batch(seed=7, lengths=(5, 2, 6, 1, 3, 4), T=6)
     lp = batch["lp"].clone().requires_grad_(True)
     ent = batch["ent"].clone().requires_grad_(True)
 
     def run(rows, normalizer=None):
-        return policy_loss(lp[rows], batch["old"][rows], batch["adv"][rows], batch["mask"][rows],
-                           config=cfg, ref_logprobs=batch["ref"][rows], entropy=ent[rows],
-                           normalizer=normalizer)[0]
+        return policy_loss(
+            lp[rows],
+            batch["old"][rows],
+            batch["adv"][rows],
+            batch["mask"][rows],
+            config=cfg,
+            ref_logprobs=batch["ref"][rows],
+            entropy=ent[rows],
+            normalizer=normalizer,
+        )[0]
 
     whole = run(slice(0, 6))
     whole_g = torch.autograd.grad(whole, (lp, ent))
@@ -337,12 +414,23 @@ def test_micro_batch_split_rows_of_padded_batch(aggregation):
 
 @pytest.mark.parametrize("surrogate", ["ppo_clip", "cispo", "sapo", "reinforce"])
 def test_gspo_packed_with_padding_equals_unpacked(surrogate):
-    cfg = PolicyLossConfig(surrogate=surrogate, ratio_level="sequence",
-                           aggregation="seq_mean_token_mean", clip_low=3e-2, clip_high=4e-2)
+    cfg = PolicyLossConfig(
+        surrogate=surrogate,
+        ratio_level="sequence",
+        aggregation="seq_mean_token_mean",
+        clip_low=3e-2,
+        clip_high=4e-2,
+    )
     docs = make_docs(seed=11)
     stream = pack(docs)
-    packed, pm = policy_loss(stream["lp"], stream["old"], stream["adv"], stream["mask"],
-                             config=cfg, document_ids=stream["ids"])
+    packed, pm = policy_loss(
+        stream["lp"],
+        stream["old"],
+        stream["adv"],
+        stream["mask"],
+        config=cfg,
+        document_ids=stream["ids"],
+    )
     T = max(DOC_LENGTHS)
     B = len(docs)
     rows = {k: torch.full((B, T), fill, dtype=D) for k, fill in (("lp", -1.0), ("old", -1.0))}
@@ -389,15 +477,30 @@ def test_one_token_sequence_sequence_ratio_is_token_ratio():
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("surrogate", ["ppo_clip", "cispo", "sapo", "gmpo", "reinforce", "dppo"])
 def test_everything_masked_gives_zero_loss_and_finite_grads(surrogate, aggregation):
-    cfg = PolicyLossConfig(surrogate=surrogate, aggregation=aggregation, norm_length=4,
-                           kl_coef=0.1, entropy_coef=0.1, mismatch_is="sequence",
-                           mismatch_seq_mask="geometric", dual_clip=None)
+    cfg = PolicyLossConfig(
+        surrogate=surrogate,
+        aggregation=aggregation,
+        norm_length=4,
+        kl_coef=0.1,
+        entropy_coef=0.1,
+        mismatch_is="sequence",
+        mismatch_seq_mask="geometric",
+        dual_clip=None,
+    )
     lp = torch.full((2, 4), -math.inf, dtype=torch.float32, requires_grad=True)
     nan = torch.full((2, 4), math.nan)
     ent = nan.clone().requires_grad_(True)
     mask = torch.zeros(2, 4, dtype=torch.bool)
-    loss, metrics = policy_loss(lp, nan, torch.tensor([1.0, -1.0]), mask, config=cfg,
-                                ref_logprobs=nan, rollout_logprobs=nan, entropy=ent)
+    loss, metrics = policy_loss(
+        lp,
+        nan,
+        torch.tensor([1.0, -1.0]),
+        mask,
+        config=cfg,
+        ref_logprobs=nan,
+        rollout_logprobs=nan,
+        entropy=ent,
+    )
     assert loss.item() == 0.0
     g, ge = torch.autograd.grad(loss, (lp, ent))
     assert (g == 0).all() and (ge == 0).all()
@@ -409,8 +512,14 @@ def test_everything_masked_gives_zero_loss_and_finite_grads(surrogate, aggregati
 def test_empty_packed_stream():
     cfg = PolicyLossConfig(aggregation="seq_mean_token_mean")
     lp = torch.zeros(0, requires_grad=True)
-    loss, metrics = policy_loss(lp, torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=bool),
-                                config=cfg, document_ids=torch.zeros(0, dtype=torch.long))
+    loss, metrics = policy_loss(
+        lp,
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0, dtype=bool),
+        config=cfg,
+        document_ids=torch.zeros(0, dtype=torch.long),
+    )
     assert loss.item() == 0.0 and all(torch.isfinite(v) for v in metrics.values())
 
 
@@ -437,8 +546,14 @@ def test_mismatch_token_mask_drops_policy_term_only():
     old = torch.zeros(1, 3, dtype=D)
     rollout = torch.tensor([[0.0, math.log(4.0), math.log(0.1)]], dtype=D)  # rho = [1, .25, 10]
     cfg = PolicyLossConfig(surrogate="reinforce", mismatch_token_mask=(0.5, 2.0))
-    loss, m = policy_loss(lp, old, torch.ones(1, 3, dtype=D), torch.ones(1, 3, dtype=bool),
-                          config=cfg, rollout_logprobs=rollout)
+    loss, m = policy_loss(
+        lp,
+        old,
+        torch.ones(1, 3, dtype=D),
+        torch.ones(1, 3, dtype=bool),
+        config=cfg,
+        rollout_logprobs=rollout,
+    )
     assert_close(loss, torch.tensor(-1 / 3, dtype=D))
     assert_close(torch.autograd.grad(loss, lp)[0], torch.tensor([[-1 / 3, 0.0, 0.0]], dtype=D))
     assert_close(m["is_masked_frac"], torch.tensor(2 / 3, dtype=D))
@@ -451,8 +566,12 @@ def test_mismatch_token_mask_drops_policy_term_only():
 
 
 def _inputs():
-    return (torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3),
-            torch.ones(2, 3, dtype=torch.bool))
+    return (
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.ones(2, 3, dtype=torch.bool),
+    )
 
 
 @pytest.mark.parametrize(
@@ -467,8 +586,11 @@ def _inputs():
         (PolicyLossConfig(), {"mask": torch.ones(2, 3)}, "mask"),
         (PolicyLossConfig(), {"old_logprobs": torch.zeros(3, 2)}, "old_logprobs"),
         (PolicyLossConfig(), {"ref_logprobs": torch.zeros(6)}, "ref_logprobs"),
-        (PolicyLossConfig(), {"document_ids": torch.tensor([[0, 0, 0], [-2, 1, 1]])},
-         "document_ids"),
+        (
+            PolicyLossConfig(),
+            {"document_ids": torch.tensor([[0, 0, 0], [-2, 1, 1]])},
+            "document_ids",
+        ),
     ],
 )
 def test_bad_input_raises_naming_the_argument(cfg, kwargs, field):
@@ -477,8 +599,7 @@ def test_bad_input_raises_naming_the_argument(cfg, kwargs, field):
     args.update({k: v for k, v in kwargs.items() if k in args})
     extra = {k: v for k, v in kwargs.items() if k not in args}
     with pytest.raises(ValueError, match=field):
-        policy_loss(lp, args["old_logprobs"], args["advantages"], args["mask"], config=cfg,
-                    **extra)
+        policy_loss(lp, args["old_logprobs"], args["advantages"], args["mask"], config=cfg, **extra)
 
 
 def test_packed_input_needs_document_ids_and_norm_length():
@@ -488,8 +609,14 @@ def test_packed_input_needs_document_ids_and_norm_length():
         policy_loss(lp, lp, lp, mask, config=PolicyLossConfig())
     ids = torch.tensor([0, 0, 1, -1])
     with pytest.raises(ValueError, match="norm_length"):
-        policy_loss(lp, lp, lp, mask, document_ids=ids,
-                    config=PolicyLossConfig(aggregation="seq_mean_token_sum_norm"))
+        policy_loss(
+            lp,
+            lp,
+            lp,
+            mask,
+            document_ids=ids,
+            config=PolicyLossConfig(aggregation="seq_mean_token_sum_norm"),
+        )
     # per-sequence advantages shorter than the number of documents
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(lp, lp, torch.zeros(1), mask, document_ids=ids, config=PolicyLossConfig())
@@ -510,3 +637,41 @@ def test_loss_normalizer_counts_and_rejects_bad_input():
         loss_normalizer(masks)
     with pytest.raises(ValueError, match="num_tokens"):
         LossNormalizer(num_tokens=-1, num_sequences=1)
+
+
+def test_docs_usage_example_runs():
+    """The usage example in docs/losses.md runs and its micro-batches sum to the whole batch."""
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "losses.md"
+    code = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[0]
+    ns: dict = {}
+    exec(compile(code, str(doc), "exec"), ns)  # noqa: S102
+    split_grad = ns["logprobs"].grad.clone()
+    whole, _ = policy_loss(
+        ns["logprobs"],
+        ns["old_logprobs"],
+        ns["adv"],
+        ns["mask"],
+        config=ns["config"],
+        ref_logprobs=ns["ref_logprobs"],
+    )
+    (whole_grad,) = torch.autograd.grad(whole, ns["logprobs"])
+    assert_close(split_grad, whole_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_inputs_compute_in_fp32():
+    batch = make_batch(seed=2)
+    mask = batch["mask"]
+    lp32 = torch.where(mask, batch["lp"], -1.0).float()
+    old32 = torch.where(mask, batch["old"], -1.0).float()
+    cfg = PolicyLossConfig(surrogate="reinforce")
+    lp16 = lp32.bfloat16().requires_grad_(True)
+    loss16, _ = policy_loss(lp16, old32.bfloat16(), batch["adv"].float(), mask, config=cfg)
+    loss32, _ = policy_loss(
+        lp16.detach().float(), old32.bfloat16().float(), batch["adv"].float(), mask, config=cfg
+    )
+    assert loss16.dtype == torch.float32
+    assert_close(loss16, loss32, rtol=1e-6, atol=1e-7)
+    assert torch.autograd.grad(loss16, lp16)[0].dtype == torch.bfloat16

@@ -35,17 +35,13 @@ def _group_ids(
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
         if s % group_size:
-            raise ValueError(
-                f"rewards length {s} must be a multiple of group_size={group_size}"
-            )
+            raise ValueError(f"rewards length {s} must be a multiple of group_size={group_size}")
         ids = torch.arange(s, device=rewards.device) // group_size
         return rewards.detach(), ids
     if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point():
         raise ValueError(f"group_ids must be an int64 tensor, got {group_ids!r}")
     if group_ids.shape != rewards.shape:
-        raise ValueError(
-            f"group_ids must have rewards' shape [{s}], got {list(group_ids.shape)}"
-        )
+        raise ValueError(f"group_ids must have rewards' shape [{s}], got {list(group_ids.shape)}")
     ids = group_ids.long()
     if s:
         lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync

@@ -79,6 +79,4 @@ def kl_penalty(
     """Per-token KL(π_θ ‖ π_ref) with the named estimator; ``ref_logprobs`` gets no gradient."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
-    return KL_ESTIMATORS[estimator](
-        logprobs, ref_logprobs.detach(), log_ratio_clamp, value_clamp
-    )
+    return KL_ESTIMATORS[estimator](logprobs, ref_logprobs.detach(), log_ratio_clamp, value_clamp)

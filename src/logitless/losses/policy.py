@@ -234,8 +234,11 @@ def policy_loss(
             "rollout_logprobs is required when a mismatch correction is on "
             "(mismatch_is / mismatch_token_mask / mismatch_seq_mask)"
         )
-    for name, t in (("ref_logprobs", ref_logprobs), ("rollout_logprobs", rollout_logprobs),
-                    ("entropy", entropy)):
+    for name, t in (
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+        ("entropy", entropy),
+    ):
         if t is not None:
             _check_float(name, t, shape)
     seg = _segments(logprobs, document_ids)
@@ -245,7 +248,7 @@ def policy_loss(
     # Sanitize: invalid tokens may hold -inf/NaN log-probs; they must not reach exp() or the
     # backward pass (0 · NaN = NaN), so they are replaced by 0 before any arithmetic.
     valid = mask.reshape(-1) & (seg.ids >= 0)  # [N] bool
-    dtype = logprobs.dtype
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 in -> fp32 math
 
     def clean(t: torch.Tensor) -> torch.Tensor:
         return torch.where(valid, t.reshape(-1).to(dtype), 0.0)
@@ -305,8 +308,11 @@ def policy_loss(
     total = per_token
     if ref_logprobs is not None:
         kl = kl_penalty(
-            lp, clean(ref_logprobs), config.kl_estimator,
-            config.kl_log_ratio_clamp, config.kl_value_clamp,
+            lp,
+            clean(ref_logprobs),
+            config.kl_estimator,
+            config.kl_log_ratio_clamp,
+            config.kl_value_clamp,
         )  # [N]
         metrics["kl_ref"] = _wmean(kl, mweights)
         if config.kl_coef > 0:
