@@ -172,6 +172,137 @@ def _build_cce(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
+# ---- task "loss": LM head + DAPO / GSPO policy loss, forward + backward ---------------------
+
+_SEQ_LEN = 256  # tokens per sequence of the loss workload (one sequence if tokens % 256 != 0)
+
+
+def _dapo_config():
+    from logitless import PolicyLossConfig
+
+    return PolicyLossConfig(clip_low=0.2, clip_high=0.28, aggregation="token_mean")
+
+
+def _gspo_config():
+    from logitless import PolicyLossConfig
+
+    return PolicyLossConfig(
+        ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean"
+    )
+
+
+@dataclass(frozen=True)
+class _RLBatch:
+    """The RL side of the loss workload: sequences of ``seq_len`` tokens, one advantage each.
+
+    old_logprobs: [N] the current policy's log-probs plus small noise (a realistic ratio
+    spread, so clipping happens); advantages: [B]; document_ids: [N]; mask: [N] bool.
+    """
+
+    seq_len: int
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    document_ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def _rl_batch(work: Workload, inputs: Inputs) -> _RLBatch:
+    from logitless import linear_logprobs
+
+    n = work.tokens
+    seq_len = _SEQ_LEN if n % _SEQ_LEN == 0 else n
+    gen = torch.Generator().manual_seed(work.seed + 1)
+    mask = inputs.labels != IGNORE_INDEX
+    with torch.no_grad():  # setup, not timed
+        lp = linear_logprobs(inputs.hidden, inputs.weight, inputs.labels).logprobs
+    noise = 0.05 * torch.randn(n, generator=gen).to(lp.device)
+    return _RLBatch(
+        seq_len=seq_len,
+        old_logprobs=torch.where(mask, lp + noise, 0.0),
+        advantages=torch.randn(n // seq_len, generator=gen).to(lp.device),
+        document_ids=torch.arange(n, device=lp.device) // seq_len,
+        mask=mask,
+    )
+
+
+def _build_loss_composed(head: str) -> Callable[[Workload, Inputs], Step]:
+    """``policy_loss(<head>.linear_logprobs(...))`` + backward, DAPO config."""
+
+    def build(work: Workload, inputs: Inputs) -> Step:
+        import logitless
+
+        linear_logprobs = (
+            logitless.reference.linear_logprobs if head == "naive" else logitless.linear_logprobs
+        )
+        rl, cfg = _rl_batch(work, inputs), _dapo_config()
+
+        def step() -> None:
+            lp = linear_logprobs(inputs.hidden, inputs.weight, inputs.labels).logprobs
+            loss, _ = logitless.policy_loss(
+                lp,
+                rl.old_logprobs,
+                rl.advantages,
+                rl.mask,
+                config=cfg,
+                document_ids=rl.document_ids,
+            )
+            loss.backward()
+
+        return step
+
+    return build
+
+
+def _build_loss_fused(config: Callable) -> Callable[[Workload, Inputs], Step]:
+    """``logitless.fused_policy_loss`` + backward."""
+
+    def build(work: Workload, inputs: Inputs) -> Step:
+        from logitless import fused_policy_loss
+
+        rl, cfg = _rl_batch(work, inputs), config()
+
+        def step() -> None:
+            loss, _ = fused_policy_loss(
+                inputs.hidden,
+                inputs.weight,
+                inputs.labels,
+                rl.old_logprobs,
+                rl.advantages,
+                config=cfg,
+                document_ids=rl.document_ids,
+            )
+            loss.backward()
+
+        return step
+
+    return build
+
+
+def _liger_loss_unavailable(work: Workload) -> str | None:
+    return _missing("liger_kernel", "liger-kernel")
+
+
+def _build_liger_grpo(work: Workload, inputs: Inputs) -> Step:
+    """Liger's ``LigerFusedLinearGRPOLoss(loss_type="dapo")``: the same DAPO loss, [B, T] form."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    rl = _rl_batch(work, inputs)
+    b, t = work.tokens // rl.seq_len, rl.seq_len
+    loss_fn = LigerFusedLinearGRPOLoss(
+        beta=0.0, use_ref_model=False, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28
+    )
+    hidden = inputs.hidden.view(b, t, -1)
+    ids = inputs.labels.clamp(min=0).view(b, t)
+    mask = rl.mask.view(b, t).to(hidden.dtype)
+    old = rl.old_logprobs.view(b, t)
+
+    def step() -> None:
+        out = loss_fn(hidden, inputs.weight, ids, mask, rl.advantages, old_per_token_logps=old)
+        (out[0] if isinstance(out, tuple) else out).backward()
+
+    return step
+
+
 TASKS: dict[str, dict[str, Method]] = {
     "logprobs": {
         m.name: m
@@ -188,6 +319,44 @@ TASKS: dict[str, dict[str, Method]] = {
                 note=lambda w: "log-probs only (no entropy)",
             ),
             Method("cce", "peer", _build_cce, unavailable=_cce_unavailable, note=_cce_note),
+        )
+    },
+    "loss": {
+        m.name: m
+        for m in (
+            Method(
+                "naive",
+                "baseline",
+                _build_loss_composed("naive"),
+                note=lambda w: "full logits + policy_loss (DAPO)",
+            ),
+            Method(
+                "composed",
+                "op",
+                _build_loss_composed("logitless"),
+                note=lambda w: "linear_logprobs + policy_loss (DAPO): 4 matmuls",
+            ),
+            Method(
+                "fused",
+                "op",
+                _build_loss_fused(_dapo_config),
+                note=lambda w: "fused_policy_loss (DAPO): 3 matmuls",
+            ),
+            Method(
+                "fused_gspo",
+                "op",
+                _build_loss_fused(_gspo_config),
+                note=lambda w: "fused_policy_loss (GSPO): no-grad pass + gradient pass",
+            ),
+            Method("floor3", "floor", _build_floor(3), note=lambda w: "3 bare matmuls"),
+            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
+            Method(
+                "liger",
+                "peer",
+                _build_liger_grpo,
+                unavailable=_liger_loss_unavailable,
+                note=lambda w: "LigerFusedLinearGRPOLoss(loss_type='dapo'); all rows computed",
+            ),
         )
     },
 }
