@@ -81,7 +81,7 @@ def test_bench_end_to_end(tmp_path: Path) -> None:
         ["--methods", "bogus"],
         ["--methods", "naive,bogus"],
         ["--dtype", "float64"],
-        ["--task", "loss"],
+        ["--task", "bogus"],
         ["--device", "tpu"],
         ["--repeats", "0"],
     ],
