@@ -482,8 +482,15 @@ def segment_sum(
                 f"got ids from {lo} to {hi}"
             )
     extra = values.shape[ids.dim() :]
-    rows = values.reshape(flat.numel(), *extra)
+    return segment_sum_unchecked(values.reshape(flat.numel(), *extra), flat, num_documents)
+
+
+def segment_sum_unchecked(
+    values: torch.Tensor, document_ids: torch.Tensor, num_documents: int
+) -> torch.Tensor:
+    """:func:`segment_sum` of ``values`` ``[N, *extra]`` over int64 ``document_ids`` ``[N]``
+    already known to lie in ``[-1, num_documents)``: no checks, no host sync (hot paths)."""
     # padding goes to one spare slot at the end, dropped afterwards
-    slot = torch.where(flat >= 0, flat, num_documents)
-    out = rows.new_zeros(num_documents + 1, *extra).index_add(0, slot, rows)
+    slot = torch.where(document_ids >= 0, document_ids, num_documents)
+    out = values.new_zeros(num_documents + 1, *values.shape[1:]).index_add(0, slot, values)
     return out[:num_documents]

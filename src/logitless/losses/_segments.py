@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..packing import segment_sum_unchecked
+
 
 class Segments(NamedTuple):
     ids: torch.Tensor  # [N] int64, -1 = padding
@@ -19,9 +21,7 @@ class Segments(NamedTuple):
 
 def segment_sum(values: torch.Tensor, seg: Segments) -> torch.Tensor:
     """``out[d] = Σ_{i: ids[i] = d} values[i]``; differentiable in ``values``.  [N] -> [size]"""
-    slot = torch.where(seg.ids >= 0, seg.ids, seg.size)  # [N], padding -> spare slot
-    out = values.new_zeros(seg.size + 1).index_add(0, slot, values)  # [size + 1]
-    return out[: seg.size]
+    return segment_sum_unchecked(values, seg.ids, seg.size)
 
 
 def gather(per_doc: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -36,3 +36,33 @@ def segment_mean(values: torch.Tensor, valid: torch.Tensor, seg: Segments) -> to
     total = segment_sum(torch.where(valid, values, 0.0), seg)  # [size]
     count = segment_sum(valid.to(values.dtype), seg)  # [size]
     return total / count.clamp(min=1.0)
+
+
+def document_segments(like: torch.Tensor, document_ids: torch.Tensor | None, name: str) -> Segments:
+    """Document of each flattened token of ``like`` (named ``name`` in errors).
+
+    ``[B, T]`` without ``document_ids``: each row is one document. Otherwise ``document_ids``
+    must have ``like``'s shape and integer ids >= -1 (one host sync for the range).
+    """
+    if document_ids is None:
+        if like.dim() != 2:
+            raise ValueError(
+                f"document_ids is required for a packed [N] stream; {name} has shape "
+                f"{list(like.shape)} and document_ids is None"
+            )
+        b, t = like.shape
+        return Segments(torch.arange(b, device=like.device).repeat_interleave(t), b)
+    if not isinstance(document_ids, torch.Tensor) or document_ids.is_floating_point():
+        raise ValueError(f"document_ids must be an int64 tensor, got {document_ids!r}")
+    if document_ids.shape != like.shape:
+        raise ValueError(
+            f"document_ids must have {name}' shape {list(like.shape)}, "
+            f"got {list(document_ids.shape)}"
+        )
+    ids = document_ids.reshape(-1).long()
+    if ids.numel():
+        lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync
+        if lo < -1:
+            raise ValueError(f"document_ids must be >= -1 (-1 = padding), got min {lo}")
+        return Segments(ids, hi + 1 if hi >= 0 else 0)
+    return Segments(ids, 0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._segments import Segments, segment_sum
+from ._segments import document_segments, segment_sum
 
 __all__ = ["LossNormalizer", "loss_normalizer"]
 
@@ -36,25 +36,6 @@ class LossNormalizer:
                     raise ValueError(f"{name} must be a scalar tensor or number, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"{name} must be a number >= 0 or a scalar tensor, got {v!r}")
-
-
-def _row_or_document_ids(mask: torch.Tensor, document_ids: torch.Tensor | None) -> Segments:
-    if document_ids is None:
-        if mask.dim() != 2:
-            raise ValueError(
-                f"document_ids is required for a packed [N] mask; got mask of shape "
-                f"{list(mask.shape)} and no document_ids"
-            )
-        b, t = mask.shape
-        ids = torch.arange(b, device=mask.device).repeat_interleave(t)
-        return Segments(ids, b)
-    if document_ids.shape != mask.shape:
-        raise ValueError(
-            f"document_ids must have the mask's shape {list(mask.shape)}, "
-            f"got {list(document_ids.shape)}"
-        )
-    ids = document_ids.reshape(-1).long()
-    return Segments(ids, ids.numel())
 
 
 def loss_normalizer(
@@ -91,7 +72,7 @@ def loss_normalizer(
     device = masks[0].device
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # [tokens, sequences]
     for mask, ids in zip(masks, document_ids, strict=True):
-        seg = _row_or_document_ids(mask, ids)
+        seg = document_segments(mask, ids, "mask")
         valid = mask.reshape(-1).bool() & (seg.ids >= 0)  # [N]
         per_doc = segment_sum(valid.double(), seg)  # [D]
         counts += torch.stack([valid.sum(dtype=torch.float64), (per_doc > 0).sum().double()])

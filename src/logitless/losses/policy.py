@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._segments import Segments, gather, segment_sum
+from ._segments import Segments, document_segments, gather, segment_sum
 from .aggregation import aggregation_weights, metric_weights
 from .config import PolicyLossConfig
 from .kl import kl_k3, kl_penalty
@@ -83,28 +83,7 @@ def _check_float(name: str, t: object, shape: torch.Size) -> torch.Tensor:
 
 def _segments(logprobs: torch.Tensor, document_ids: torch.Tensor | None) -> Segments:
     """Document of each flattened token: the row of ``[B, T]``, or ``document_ids``."""
-    if document_ids is None:
-        if logprobs.dim() != 2:
-            raise ValueError(
-                f"document_ids is required for a packed [N] stream; logprobs has shape "
-                f"{_shape(logprobs)} and document_ids is None"
-            )
-        b, t = logprobs.shape
-        return Segments(torch.arange(b, device=logprobs.device).repeat_interleave(t), b)
-    if not isinstance(document_ids, torch.Tensor) or document_ids.is_floating_point():
-        raise ValueError(f"document_ids must be an int64 tensor, got {document_ids!r}")
-    if document_ids.shape != logprobs.shape:
-        raise ValueError(
-            f"document_ids must have logprobs' shape {list(logprobs.shape)}, "
-            f"got {_shape(document_ids)}"
-        )
-    ids = document_ids.reshape(-1).long()
-    if ids.numel():
-        lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync
-        if lo < -1:
-            raise ValueError(f"document_ids must be >= -1 (-1 = padding), got min {lo}")
-        return Segments(ids, hi + 1 if hi >= 0 else 0)
-    return Segments(ids, 0)
+    return document_segments(logprobs, document_ids, "logprobs")
 
 
 def _token_advantages(advantages: object, logprobs: torch.Tensor, seg: Segments) -> torch.Tensor:
