@@ -130,6 +130,15 @@ def fused_policy_loss(
         )
         return loss_of(logp, ent)
 
+    # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
+    detached_bias = None if bias is None else bias.detach()
+    kernel_inputs = (
+        rows.hidden.detach(),
+        weight.detach(),
+        detached_bias,
+        rows.labels,
+        rows.temperature,
+    )
     # Values the loss sees for rows outside the chunk being differentiated. Token-local: any
     # finite value (old log-probs: ratio 1). Sequence-level: the exact values, from a no-grad
     # pass, so that every document statistic is right whichever chunk a token falls in.
@@ -140,12 +149,7 @@ def fused_policy_loss(
         schedule = Schedule.choose(rows.labels.numel(), vocab, weight.device, chunk_size)
         with torch.no_grad():
             prefill, _, prefill_ent, _ = forward_rows(
-                rows.hidden.detach(),
-                weight.detach(),
-                None if bias is None else bias.detach(),
-                rows.labels,
-                rows.temperature,
-                head_options(args, rows, with_entropy, schedule),
+                *kernel_inputs, head_options(args, rows, with_entropy, schedule)
             )
 
     def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
@@ -171,14 +175,7 @@ def fused_policy_loss(
         bias is not None and bias.requires_grad,
     )
     logp, ent, grads = fused_rows(
-        rows.hidden.detach(),
-        weight.detach(),
-        None if bias is None else bias.detach(),
-        rows.labels,
-        rows.temperature,
-        head_options(args, rows, with_entropy, schedule),
-        grad_fn,
-        needs,
+        *kernel_inputs, head_options(args, rows, with_entropy, schedule), grad_fn, needs
     )
     with torch.no_grad():
         loss, metrics = loss_of(logp, ent)
