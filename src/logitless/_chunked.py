@@ -264,14 +264,30 @@ def _tile_to_dz(
     z.sub_(lse[:, None])  # log p
     if rg.e_t is not None:
         p = z.exp()
-        z.mul_(rg.e_t).add_(rg.coef).mul_(p).neg_()  # -p·(g + e·(log p + H)) / T
+        # -p·(g + e·(log p + H)) / T  =  p · (log p · (-e/T) - (g + e·H)/T): two passes
+        torch.addcmul(rg.coef.neg(), z, rg.e_t.neg(), out=z).mul_(p)
     else:
-        z.exp_().mul_(rg.g_t).neg_()  # -p·g / T
-    slot, inside = _label_slot(labels, v0, z.shape[1])
-    z.scatter_add_(1, slot, torch.where(inside, rg.g_t.squeeze(1), 0.0)[:, None])
+        z.exp_().mul_(rg.g_t.neg())  # -p·g / T
+    _add_label_term(z, rg, labels, v0)
     if cap_grad is not None:
         z.mul_(cap_grad)
     return z
+
+
+def _add_label_term(dz: torch.Tensor, rg: _RowGrad, labels: torch.Tensor, v0: int) -> None:
+    """dz[i, y_i] += g_i / T_i for the rows whose label lies in this tile (no one-hot)."""
+    slot, inside = _label_slot(labels, v0, dz.shape[1])
+    dz.scatter_add_(1, slot, torch.where(inside, rg.g_t.squeeze(1), 0.0)[:, None])
+
+
+def _exp_tile_to_dz(
+    e: torch.Tensor, to_p: torch.Tensor, rg: _RowGrad, labels: torch.Tensor, v0: int
+) -> torch.Tensor:
+    """The no-entropy, no-softcap shortcut: ``e`` [R, Vb] holds ``exp(z - m)`` and
+    ``to_p = exp(m - lse)`` [R], so ``dz = -(g/T)·p + (g/T)·onehot`` is one multiply."""
+    e.mul_((to_p[:, None] * rg.g_t).neg_())
+    _add_label_term(e, rg, labels, v0)
+    return e
 
 
 class _GradAccumulator:
@@ -416,6 +432,8 @@ def fused_rows(
     h_all = hidden.to(hd)
     rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
     chunk_buf = torch.empty(min(rows_per, num_rows) * vocab, device=dev)
+    # Without entropy or softcap, the gradient needs p only, not z: store exp(z - m) in pass A.
+    keep_exp = not opts.with_entropy and opts.softcap is None
     for r0 in range(0, num_rows, rows_per):
         r1 = min(r0 + rows_per, num_rows)
         rows = r1 - r0
@@ -426,11 +444,14 @@ def fused_rows(
             return chunk_buf[v0 * rows : v1 * rows].view(rows, v1 - v0)
 
         stats = _OnlineStats(y, opts.with_entropy)
+        shifts = []  # per block: the running max its tile was exponentiated against
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
             w, b = _weight_block(weight, bias, v0, v1, hd)
             z = _project(tile(v0, v1), h, w, b, t_rows, opts)
-            stats.update(z, v0, destructive=False)
+            # keep_exp: the tile is left as exp(z - m), all pass B needs (see _exp_tile_to_dz)
+            stats.update(z, v0, destructive=keep_exp)
+            shifts.append(stats.m)
         logp_c, lse_c, ent_c = stats.finish()
         logp[r0:r1] = logp_c
         if ent is not None:
@@ -439,10 +460,14 @@ def fused_rows(
         if e_c is not None and ent_c is None:
             raise ValueError("grad_fn returned an entropy gradient but with_entropy is False")
         rg = _RowGrad(g_c, e_c, ent_c, t_rows, opts, rows, dev)
-        for v0 in range(0, vocab, block):
+        for j, v0 in enumerate(range(0, vocab, block)):
             v1 = min(v0 + block, vocab)
             w, _ = _weight_block(weight, None, v0, v1, hd)
-            acc.add(_tile_to_dz(tile(v0, v1), lse_c, rg, y, v0, opts), h, w, r0, v0)
+            if keep_exp:
+                dz = _exp_tile_to_dz(tile(v0, v1), (shifts[j] - lse_c).exp(), rg, y, v0)
+            else:
+                dz = _tile_to_dz(tile(v0, v1), lse_c, rg, y, v0, opts)
+            acc.add(dz, h, w, r0, v0)
     return logp, ent, acc.result()
 
 
