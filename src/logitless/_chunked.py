@@ -66,6 +66,15 @@ class Schedule:
             chunk_size = max(1, min(num_rows, budget // vocab))
         return Schedule.choose(num_rows, vocab, device, chunk_size)
 
+    def row_chunks(self, num_rows: int) -> list[tuple[int, int]]:
+        """[(start, stop)] of the row chunks."""
+        return [(r, min(r + self.rows, num_rows)) for r in range(0, num_rows, self.rows)]
+
+    def vocab_blocks(self, vocab: int) -> list[tuple[int, int]]:
+        """[(start, stop)] of the vocab blocks."""
+        step = self.vocab_block
+        return [(v, min(v + step, vocab)) for v in range(0, vocab, step)]
+
     def num_tiles(self, num_rows: int, vocab: int) -> int:
         return -(-num_rows // self.rows) * -(-vocab // self.vocab_block)
 
@@ -202,16 +211,14 @@ def forward_rows(
     logp = torch.empty(num_rows, device=dev)
     lse = torch.empty(num_rows, device=dev)
     ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
-    rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
+    rows_per = opts.schedule.rows
     keep = keep_tile and opts.schedule.num_tiles(num_rows, vocab) == 1
     kept = None
     buf = _tile_buffer(min(rows_per, num_rows), opts, vocab, dev) if num_rows else None
-    for r0 in range(0, num_rows, rows_per):
-        r1 = min(r0 + rows_per, num_rows)
+    for r0, r1 in opts.schedule.row_chunks(num_rows):
         t_rows = None if temp is None else temp[r0:r1]
         stats = _OnlineStats(labels[r0:r1], opts.with_entropy)
-        for v0 in range(0, vocab, block):
-            v1 = min(v0 + block, vocab)
+        for v0, v1 in opts.schedule.vocab_blocks(vocab):
             z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
             w, b = _weight_block(weight, bias, v0, v1, hd)
             _project(z, h_all[r0:r1], w, b, t_rows, opts)
@@ -367,10 +374,9 @@ def backward_rows(
         return acc.result()
     h_all = hidden.to(hd)
     use_ent = opts.with_entropy and grad_ent is not None
-    rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
+    rows_per = opts.schedule.rows
     buf = None if kept is not None else _tile_buffer(min(rows_per, num_rows), opts, vocab, dev)
-    for r0 in range(0, num_rows, rows_per):
-        r1 = min(r0 + rows_per, num_rows)
+    for r0, r1 in opts.schedule.row_chunks(num_rows):
         h = h_all[r0:r1]
         t_rows = None if temp is None else temp[r0:r1]
         rg = _RowGrad(
@@ -382,8 +388,7 @@ def backward_rows(
             r1 - r0,
             dev,
         )
-        for v0 in range(0, vocab, block):
-            v1 = min(v0 + block, vocab)
+        for v0, v1 in opts.schedule.vocab_blocks(vocab):
             w, b = _weight_block(weight, bias, v0, v1, hd)
             if kept is not None:
                 z = kept
@@ -430,12 +435,11 @@ def fused_rows(
     if num_rows == 0:
         return logp, ent, acc.result()
     h_all = hidden.to(hd)
-    rows_per, block = opts.schedule.rows, opts.schedule.vocab_block
+    rows_per = opts.schedule.rows
     chunk_buf = torch.empty(min(rows_per, num_rows) * vocab, device=dev)
     # Without entropy or softcap, the gradient needs p only, not z: store exp(z - m) in pass A.
     keep_exp = not opts.with_entropy and opts.softcap is None
-    for r0 in range(0, num_rows, rows_per):
-        r1 = min(r0 + rows_per, num_rows)
+    for r0, r1 in opts.schedule.row_chunks(num_rows):
         rows = r1 - r0
         h, y = h_all[r0:r1], labels[r0:r1]
         t_rows = None if temp is None else temp[r0:r1]
@@ -445,8 +449,7 @@ def fused_rows(
 
         stats = _OnlineStats(y, opts.with_entropy)
         shifts = []  # per block: the running max its tile was exponentiated against
-        for v0 in range(0, vocab, block):
-            v1 = min(v0 + block, vocab)
+        for v0, v1 in opts.schedule.vocab_blocks(vocab):
             w, b = _weight_block(weight, bias, v0, v1, hd)
             z = _project(tile(v0, v1), h, w, b, t_rows, opts)
             # keep_exp: the tile is left as exp(z - m), all pass B needs (see _exp_tile_to_dz)
@@ -460,8 +463,7 @@ def fused_rows(
         if e_c is not None and ent_c is None:
             raise ValueError("grad_fn returned an entropy gradient but with_entropy is False")
         rg = _RowGrad(g_c, e_c, ent_c, t_rows, opts, rows, dev)
-        for j, v0 in enumerate(range(0, vocab, block)):
-            v1 = min(v0 + block, vocab)
+        for j, (v0, v1) in enumerate(opts.schedule.vocab_blocks(vocab)):
             w, _ = _weight_block(weight, None, v0, v1, hd)
             if keep_exp:
                 dz = _exp_tile_to_dz(tile(v0, v1), (shifts[j] - lse_c).exp(), rg, y, v0)
