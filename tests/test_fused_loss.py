@@ -45,6 +45,16 @@ CONFIGS = {
         ratio_level="sequence", aggregation="token_mean", kl_coef=0.05, entropy_coef=0.01
     ),
     "gmpo": PolicyLossConfig(surrogate="gmpo"),
+    "prime_rl_token_mask": PolicyLossConfig(
+        surrogate="cispo", clip_low=1.0, clip_high=1e6, ratio_token_mask=(0.8, 1.25)
+    ),
+    "prime_rl_seq_mask": PolicyLossConfig(
+        surrogate="cispo",
+        clip_low=1.0,
+        clip_high=1e6,
+        ratio_seq_mask="geometric",
+        ratio_seq_mask_range=(0.97, 1.03),
+    ),
 }
 
 
@@ -207,6 +217,8 @@ def test_matches_composed_bf16(name):
 def test_token_locality_classification():
     assert is_token_local(CONFIGS["dapo"]) and is_token_local(CONFIGS["seq_tis_geo_mask"])
     assert not is_token_local(CONFIGS["gspo"]) and not is_token_local(CONFIGS["gmpo"])
+    assert is_token_local(CONFIGS["prime_rl_token_mask"])
+    assert not is_token_local(CONFIGS["prime_rl_seq_mask"])
 
 
 def test_backward_twice_raises():

@@ -9,7 +9,8 @@ and one ``[chunk, V]`` buffer; only the gradients (dW, dh, db) live until ``back
 Which losses allow that: a loss is *token-local* when the gradient for a token depends only on
 that token's own log-prob (PPO clip, CISPO, SAPO, REINFORCE, DPPO, KL, entropy bonus, every
 aggregation, and the mismatch corrections, whose weights come from old vs rollout log-probs).
-Sequence-level ratios (GSPO's ``ratio_level="sequence"``, GMPO) need whole-document sums
+Sequence-level ratios (GSPO's ``ratio_level="sequence"``, GMPO) and sequence masks on the
+current ratio (``ratio_seq_mask``) need whole-document sums
 before any token's gradient is known: they get a cheap no-grad pass first (one matmul), then
 the same gradient pass, so documents may span chunks freely.
 """
@@ -27,7 +28,11 @@ from .losses import LossNormalizer, PolicyLossConfig, policy_loss
 
 def is_token_local(config: PolicyLossConfig) -> bool:
     """True when each token's loss gradient depends on its own log-prob only (see module doc)."""
-    return config.ratio_level == "token" and config.surrogate != "gmpo"
+    return (
+        config.ratio_level == "token"
+        and config.surrogate != "gmpo"
+        and config.ratio_seq_mask is None  # a document's mask depends on all its tokens
+    )
 
 
 def fused_policy_loss(

@@ -101,6 +101,13 @@ class PolicyLossConfig:
             (``Π_t ρ_t``): whole documents whose statistic is outside
             ``mismatch_seq_mask_range`` are dropped from the policy term, or ``None``.
         mismatch_seq_mask_range: ``(low, high)`` for ``mismatch_seq_mask``.
+        ratio_token_mask: ``(low, high)``: tokens whose *current* ratio ``π_θ/π_old``
+            (stop-gradient) is outside the band are dropped from the policy term (prime-rl's
+            ``token_mask_low/high``), or ``None``.
+        ratio_seq_mask: ``"geometric"`` or ``"product"`` of the current token ratios per
+            document; documents outside ``ratio_seq_mask_range`` are dropped from the policy
+            term (prime-rl's sequence masks), or ``None``.
+        ratio_seq_mask_range: ``(low, high)`` for ``ratio_seq_mask``.
     """
 
     surrogate: str = "ppo_clip"
@@ -123,6 +130,9 @@ class PolicyLossConfig:
     mismatch_token_mask: tuple[float, float] | None = None
     mismatch_seq_mask: str | None = None
     mismatch_seq_mask_range: tuple[float, float] = (0.5, 2.0)
+    ratio_token_mask: tuple[float, float] | None = None
+    ratio_seq_mask: str | None = None
+    ratio_seq_mask_range: tuple[float, float] = (0.5, 2.0)
 
     def __post_init__(self) -> None:
         _choice("surrogate", self.surrogate, SURROGATES)
@@ -162,6 +172,10 @@ class PolicyLossConfig:
         if self.mismatch_token_mask is not None:
             _band("mismatch_token_mask", self.mismatch_token_mask)
         _band("mismatch_seq_mask_range", self.mismatch_seq_mask_range)
+        _choice("ratio_seq_mask", self.ratio_seq_mask, MISMATCH_SEQ_MASKS)
+        if self.ratio_token_mask is not None:
+            _band("ratio_token_mask", self.ratio_token_mask)
+        _band("ratio_seq_mask_range", self.ratio_seq_mask_range)
 
     @property
     def uses_rollout(self) -> bool:

@@ -261,6 +261,20 @@ def policy_loss(
 
     metrics: dict[str, torch.Tensor] = {}
 
+    # band masks on the current ratio π_θ/π_old (prime-rl): masked tokens keep their place in
+    # the denominators, like the mismatch masks below
+    if config.ratio_token_mask is not None or config.ratio_seq_mask is not None:
+        keep_ratio = torch.ones_like(lp)  # [N]
+        if config.ratio_token_mask is not None:
+            keep_ratio = keep_ratio * token_band_mask(token_lr, *config.ratio_token_mask)
+        if config.ratio_seq_mask is not None:
+            lo, hi = config.ratio_seq_mask_range
+            keep_ratio = keep_ratio * sequence_mask(
+                token_lr, valid, seg, config.ratio_seq_mask, lo, hi
+            )
+        per_token = per_token * keep_ratio
+        metrics["ratio_masked_frac"] = _wmean(1.0 - keep_ratio, mweights)
+
     # train/inference mismatch correction
     if rollout_logprobs is not None:
         log_rho = old - clean(rollout_logprobs).detach()  # [N], log π_old/π_rollout
