@@ -33,6 +33,7 @@ _TILE_ELEMS_DEFAULT = 1 << 26
 _MAX_ROWS = {"cpu": 2048}
 _MAX_ROWS_DEFAULT = 8192
 _MIN_VOCAB_BLOCK = 256
+_BLOCK_ALIGN = 64
 # Elements of the [rows, V] fp32 buffer of the gradient-in-forward (fused) path: 256 MiB on CPU
 # (the weight gradient of a 150k x 512 head is another 300 MiB), 1 GiB on accelerators.
 _CHUNK_ELEMS = {"cpu": 64 << 20}
@@ -53,7 +54,9 @@ class Schedule:
             rows = max(1, min(num_rows, _MAX_ROWS.get(device.type, _MAX_ROWS_DEFAULT)))
         else:
             rows = chunk_size
-        block = min(vocab, max(_MIN_VOCAB_BLOCK, tile // rows))
+        # A multiple of 64 columns keeps every tile row 256-byte aligned: an odd width (e.g.
+        # 4755 for 441 rows) measured ~10% slower in the projection matmuls on CPU.
+        block = min(vocab, max(_MIN_VOCAB_BLOCK, tile // rows // _BLOCK_ALIGN * _BLOCK_ALIGN))
         return Schedule(rows=rows, vocab_block=max(1, block))
 
     @staticmethod
