@@ -328,3 +328,29 @@ def test_bad_input_raises_value_error(change, match):
             args.pop("advantages"),
             **args,
         )
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(document_ids=None), "document_ids is required"),
+        (dict(advantages=torch.zeros(3)), "advantages"),  # 4 documents, 3 advantages
+        (dict(config=PolicyLossConfig(kl_coef=0.1)), "ref_logprobs is required"),
+    ],
+)
+def test_bad_loss_input_raises_before_any_head_work(monkeypatch, change, match):
+    """A packed [N] batch without document_ids, wrong advantages, a missing ref: ValueError
+    from the loss's checks before the head kernels run."""
+    import logitless.fused_loss as fl
+
+    def no_head_work(*args, **kwargs):
+        raise AssertionError("the head kernel ran before the loss inputs were validated")
+
+    monkeypatch.setattr(fl, "fused_rows", no_head_work)
+    monkeypatch.setattr(fl, "forward_rows", no_head_work)
+    p = _problem(True, torch.float32)
+    kw = dict(config=CONFIGS["grpo"], document_ids=p["doc"], advantages=p["adv"])
+    kw.update(change)
+    h = p["hidden"].clone().requires_grad_()
+    with pytest.raises(ValueError, match=match):
+        fused_policy_loss(h, p["weight"], p["labels"], p["old"], kw.pop("advantages"), **kw)

@@ -125,6 +125,12 @@ def fused_policy_loss(
             normalizer=normalizer,
         )
 
+    # Validate the loss's own inputs (shapes, document ids, required tensors) before any head
+    # FLOP: one [N]-sized policy_loss evaluation on placeholder log-probs.
+    placeholder = _rows_of(old_logprobs, rows).detach().float()
+    with torch.no_grad():
+        loss_of(placeholder, torch.zeros_like(placeholder) if with_entropy else None)
+
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
     vocab = weight.shape[0]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
@@ -148,7 +154,7 @@ def fused_policy_loss(
     # finite value (old log-probs: ratio 1). Sequence-level: the exact values, from a no-grad
     # pass, so that every document statistic is right whichever chunk a token falls in.
     if is_token_local(config):
-        prefill = _rows_of(old_logprobs, rows).detach().float()
+        prefill = placeholder
         prefill_ent = torch.zeros_like(prefill) if with_entropy else None
     else:
         schedule = Schedule.choose(rows.labels.numel(), vocab, weight.device, chunk_size)
