@@ -201,8 +201,7 @@ def _rows_of(values: torch.Tensor, rows: Rows) -> torch.Tensor:
         raise ValueError(
             f"old_logprobs must be a tensor of labels' shape {list(rows.batch_shape)}, got {got}"
         )
-    flat = values.reshape(-1)
-    return flat if rows.index is None else flat.index_select(0, rows.index)
+    return rows.gather(values)
 
 
 class _GradStore:

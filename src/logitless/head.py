@@ -122,6 +122,11 @@ class Rows(NamedTuple):
     num_tokens: int
     batch_shape: torch.Size
 
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor of the caller's ``labels.shape`` -> its [M] valid rows."""
+        flat = values.reshape(-1)
+        return flat if self.index is None else flat.index_select(0, self.index)
+
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """[M] per-row values -> the caller's ``labels.shape``, 0.0 at ignored rows."""
         if self.index is not None:
