@@ -1,6 +1,7 @@
 """logitless: LM-head log-probs, entropy and RL policy losses without materializing logits."""
 
-from . import advantages, losses, packing, reference
+from . import advantages, distributed, losses, packing, reference
+from .distributed import VocabParallel
 from .fused_loss import fused_policy_loss
 from .head import LinearLogprobs, linear_logprobs
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
@@ -12,7 +13,9 @@ __all__ = [
     "LogProbs",
     "LossNormalizer",
     "PolicyLossConfig",
+    "VocabParallel",
     "advantages",
+    "distributed",
     "fused_policy_loss",
     "linear_logprobs",
     "loss_normalizer",

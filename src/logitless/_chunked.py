@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .distributed import VocabParallel
+
 # Elements of one fp32 logits tile. CPU: ~8 MiB, so the elementwise passes run out of L2/L3
 # instead of DRAM (measured: 2.3 s vs 3.2 s for a 2048 x 151936 x 512 forward with 134 MB
 # tiles). CUDA: larger tiles amortize kernel launches; the tile is still bounded, never [N, V].
@@ -91,6 +93,9 @@ class HeadOptions:
     with_entropy: bool
     head_dtype: torch.dtype
     schedule: Schedule
+    # This rank's vocabulary shard; labels given to the kernels are then shard-local
+    # (global id - vocab_start), out of [0, V_local) when another rank owns them.
+    vocab_parallel: VocabParallel | None = None
 
 
 def _project(
@@ -184,12 +189,18 @@ class _OnlineStats:
             self.s = alpha * self.s + s_blk
         self.m = m_new
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """logp [R], lse [R], entropy [R] or None."""
-        log_s = self.s.log()
-        lse = self.m + log_s
-        ent = log_s - self.q / self.s if self.with_entropy else None
-        return self.zy - lse, lse, ent
+    def finish(
+        self, vp: VocabParallel | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """logp [R], lse [R], entropy [R] or None; over the whole vocabulary when ``vp`` is
+        given (the shards' statistics are combined across its group: a collective call)."""
+        m, s, q, zy = self.m, self.s, self.q, self.zy
+        if vp is not None:
+            m, s, q, zy = vp.combine(m, s, q, zy)
+        log_s = s.log()
+        lse = m + log_s
+        ent = log_s - q / s if self.with_entropy else None
+        return zy - lse, lse, ent
 
 
 def forward_rows(
@@ -228,7 +239,7 @@ def forward_rows(
             if keep:
                 kept = z.clone()
             stats.update(z, v0, destructive=True)
-        logp[r0:r1], lse[r0:r1], ent_c = stats.finish()
+        logp[r0:r1], lse[r0:r1], ent_c = stats.finish(opts.vocab_parallel)
         if ent is not None:
             ent[r0:r1] = ent_c
     return logp, lse, ent, kept
@@ -340,8 +351,13 @@ class _GradAccumulator:
             else:
                 gw += dz_h.t() @ h
 
-    def result(self):
-        """(dh, dW, db) in hidden's, weight's and bias's dtypes (None where not needed)."""
+    def result(self, vp: VocabParallel | None = None):
+        """(dh, dW, db) in hidden's, weight's and bias's dtypes (None where not needed).
+
+        With ``vp``, dh (this shard's ``dz·W_r``) is first summed over its group if it asks.
+        """
+        if vp is not None:
+            vp.reduce_hidden(self.dh)
         return (
             None if self.dh is None else self.dh.to(self.hidden.dtype),
             None if self.dw is None else self.dw.to(self.weight.dtype),
@@ -399,7 +415,7 @@ def backward_rows(
                 z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
                 _project(z, h, w, b, t_rows, opts)
             acc.add(_tile_to_dz(z, lse[r0:r1], rg, labels[r0:r1], v0, opts), h, w, r0, v0)
-    return acc.result()
+    return acc.result(opts.vocab_parallel)
 
 
 GradFn = Callable[
@@ -458,7 +474,7 @@ def fused_rows(
             # keep_exp: the tile is left as exp(z - m), all pass B needs (see _exp_tile_to_dz)
             stats.update(z, v0, destructive=keep_exp)
             shifts.append(stats.m)
-        logp_c, lse_c, ent_c = stats.finish()
+        logp_c, lse_c, ent_c = stats.finish(opts.vocab_parallel)
         logp[r0:r1] = logp_c
         if ent is not None:
             ent[r0:r1] = ent_c
@@ -473,7 +489,7 @@ def fused_rows(
             else:
                 dz = _tile_to_dz(tile(v0, v1), lse_c, rg, y, v0, opts)
             acc.add(dz, h, w, r0, v0)
-    return logp, ent, acc.result()
+    return logp, ent, acc.result(opts.vocab_parallel)
 
 
 class LinearLogprobsFunction(torch.autograd.Function):

@@ -74,8 +74,13 @@ def check_head_args(
     softcap: float | None,
     ignore_index: int,
     head_dtype: torch.dtype | None,
+    vocab_parallel: object | None = None,
 ) -> HeadArgs:
-    """Validate a head call and return its arguments flattened to rows."""
+    """Validate a head call and return its arguments flattened to rows.
+
+    With ``vocab_parallel`` (a :class:`~logitless.distributed.VocabParallel`), ``weight`` and
+    ``bias`` are this rank's shard and labels are checked against the global vocabulary.
+    """
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
         if t is None and name == "bias":
             continue
@@ -97,6 +102,23 @@ def check_head_args(
             f"{_fmt_shape(weight)}"
         )
     vocab, dim = weight.shape
+    label_vocab = vocab
+    if vocab_parallel is not None:
+        from .distributed import VocabParallel
+
+        if not isinstance(vocab_parallel, VocabParallel):
+            raise ValueError(
+                f"vocab_parallel must be a logitless.VocabParallel or None, got "
+                f"{type(vocab_parallel).__name__}"
+            )
+        if vocab != vocab_parallel.shard_size:
+            raise ValueError(
+                f"with vocab_parallel, weight must be this rank's shard of "
+                f"{vocab_parallel.shard_size} rows (rows [{vocab_parallel.vocab_start}, "
+                f"{vocab_parallel.vocab_end}) of {vocab_parallel.vocab_size}), got "
+                f"{_fmt_shape(weight)}; slice it with vocab_parallel.shard(full_weight)"
+            )
+        label_vocab = vocab_parallel.vocab_size
     if hidden.shape[-1] != dim:
         raise ValueError(
             f"hidden's last dimension must equal weight's H={dim} (weight is "
@@ -144,13 +166,14 @@ def check_head_args(
 
     flat_labels = labels.reshape(-1)
     if flat_labels.numel() > 0:
-        bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
+        bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= label_vocab))
         n_bad = int(bad.sum())
         if n_bad:
             first = flat_labels[bad][0].item()
+            where = " (the global vocabulary of vocab_parallel)" if vocab_parallel else ""
             raise ValueError(
-                f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}; "
-                f"{n_bad} label(s) are not, e.g. {first}"
+                f"labels must be in [0, {label_vocab}){where} or equal "
+                f"ignore_index={ignore_index}; {n_bad} label(s) are not, e.g. {first}"
             )
 
     if isinstance(temperature, torch.Tensor):
@@ -185,3 +208,35 @@ def check_head_args(
         head_dtype=head_dtype if head_dtype is not None else hidden.dtype,
         batch_shape=labels.shape,
     )
+
+
+def check_head_call(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_parallel: object | None,
+    **options,
+) -> HeadArgs:
+    """:func:`check_head_args`, made collective when the head is vocab-parallel.
+
+    With ``vocab_parallel``, every rank takes part in one agreement all-reduce whether or not
+    its own inputs passed, so that a bad input on one rank raises on all of them instead of
+    leaving the others waiting in a collective.
+    """
+    if vocab_parallel is None:
+        return check_head_args(hidden, weight, labels, vocab_parallel=None, **options)
+    from .distributed import VocabParallel
+
+    if not isinstance(vocab_parallel, VocabParallel):
+        raise ValueError(
+            f"vocab_parallel must be a logitless.VocabParallel or None, got "
+            f"{type(vocab_parallel).__name__}"
+        )
+    args, error = None, None
+    try:
+        args = check_head_args(hidden, weight, labels, vocab_parallel=vocab_parallel, **options)
+    except ValueError as e:
+        error = e
+    vocab_parallel.agree(None if args is None else args.labels, error)
+    return args

@@ -21,8 +21,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._chunked import Schedule, forward_rows, fused_rows
-from ._validate import check_chunk_size, check_head_args
-from .head import Rows, head_options, select_rows
+from ._validate import check_chunk_size, check_head_call
+from .distributed import VocabParallel
+from .head import Rows, head_options, kernel_labels, select_rows
 from .losses import LossNormalizer, PolicyLossConfig, policy_loss
 
 
@@ -53,6 +54,7 @@ def fused_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     normalizer: LossNormalizer | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -85,6 +87,10 @@ def fused_policy_loss(
         temperature, softcap, head_dtype, chunk_size: as in :func:`logitless.linear_logprobs`;
             here ``chunk_size`` is the rows whose ``[rows, V]`` logits are held at once (None:
             a 256 MiB fp32 budget on CPU, 1 GiB on accelerators).
+        vocab_parallel: as in :func:`logitless.linear_logprobs`: ``weight``/``bias`` are this
+            rank's vocabulary shard, every rank computes the same loss from the combined
+            log-probs, its weight shard gets its gradient and the hidden gradient is summed
+            over the group (unless ``reduce_hidden_grad=False``). One ``[chunk, V/tp]`` buffer.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -92,7 +98,7 @@ def fused_policy_loss(
     chunk_size = check_chunk_size(chunk_size)
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    args = check_head_args(
+    args = check_head_call(
         hidden,
         weight,
         labels,
@@ -101,6 +107,7 @@ def fused_policy_loss(
         softcap=softcap,
         ignore_index=ignore_index,
         head_dtype=head_dtype,
+        vocab_parallel=vocab_parallel,
     )
     if len(args.batch_shape) not in (1, 2):
         raise ValueError(
@@ -132,66 +139,80 @@ def fused_policy_loss(
         loss_of(placeholder, torch.zeros_like(placeholder) if with_entropy else None)
 
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
-    vocab = weight.shape[0]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
-        schedule = Schedule.choose(rows.labels.numel(), vocab, weight.device, chunk_size)
-        opts = head_options(args, rows, with_entropy, schedule)
-        logp, _, ent, _ = forward_rows(
-            rows.hidden, weight, bias, rows.labels, rows.temperature, opts
-        )
-        return loss_of(logp, ent)
-
+    num_rows, vp = rows.labels.numel(), vocab_parallel
+    # Under vocab parallelism the row chunks of the fused pass must match on every rank (each
+    # chunk is a collective): size them by the largest shard, not this rank's.
+    vocab = weight.shape[0] if vp is None else vp.max_shard
     # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
-    detached_bias = None if bias is None else bias.detach()
     kernel_inputs = (
         rows.hidden.detach(),
         weight.detach(),
-        detached_bias,
-        rows.labels,
+        None if bias is None else bias.detach(),
+        kernel_labels(rows, vp),
         rows.temperature,
     )
-    # Values the loss sees for rows outside the chunk being differentiated. Token-local: any
-    # finite value (old log-probs: ratio 1). Sequence-level: the exact values, from a no-grad
-    # pass, so that every document statistic is right whichever chunk a token falls in.
+
+    def no_grad_pass() -> tuple[torch.Tensor, torch.Tensor | None]:
+        schedule = Schedule.choose(num_rows, vocab, weight.device, chunk_size)
+        with torch.no_grad():
+            logp, _, ent, _ = forward_rows(
+                *kernel_inputs, head_options(args, rows, with_entropy, schedule, vp)
+            )
+        return logp, ent
+
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
+        return loss_of(*no_grad_pass())
+
     if is_token_local(config):
+        # Each chunk's gradient comes from the loss with the other rows at any finite value
+        # (old log-probs: ratio 1); token-locality makes it exact.
         prefill = placeholder
         prefill_ent = torch.zeros_like(prefill) if with_entropy else None
-    else:
-        schedule = Schedule.choose(rows.labels.numel(), vocab, weight.device, chunk_size)
-        with torch.no_grad():
-            prefill, _, prefill_ent, _ = forward_rows(
-                *kernel_inputs, head_options(args, rows, with_entropy, schedule)
-            )
 
-    def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
-        """d loss / d (logp, entropy) of rows [r0, r1), the other rows held at the prefill."""
-        with torch.enable_grad():
-            lp = logp_c.detach().requires_grad_()
-            full_lp = torch.cat([prefill[:r0], lp, prefill[r1:]])
-            inputs = [lp]
+        def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
+            """d loss / d (logp, entropy) of rows [r0, r1), the other rows held fixed."""
+            full_lp = torch.cat([prefill[:r0], logp_c, prefill[r1:]])
             full_ent = None
             if ent_c is not None:
-                en = ent_c.detach().requires_grad_()
-                full_ent = torch.cat([prefill_ent[:r0], en, prefill_ent[r1:]])
-                inputs.append(en)
-            loss_c, _ = loss_of(full_lp, full_ent)
-            grads = torch.autograd.grad(loss_c, inputs, allow_unused=True)
-        g = grads[0] if grads[0] is not None else torch.zeros_like(logp_c)
-        return g, (grads[1] if ent_c is not None else None)
+                full_ent = torch.cat([prefill_ent[:r0], ent_c, prefill_ent[r1:]])
+            g, e = _loss_grads(loss_of, full_lp, full_ent)
+            return g[r0:r1], None if e is None else e[r0:r1]
+    else:
+        # Sequence-level statistics need every row: a no-grad pass gives the exact log-probs,
+        # and one evaluation of the loss gives every row's gradient.
+        g_all, e_all = _loss_grads(loss_of, *no_grad_pass())
 
-    schedule = Schedule.choose_fused(rows.labels.numel(), vocab, weight.device, chunk_size)
+        def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
+            return g_all[r0:r1], None if e_all is None else e_all[r0:r1]
+
+    schedule = Schedule.choose_fused(num_rows, vocab, weight.device, chunk_size)
     needs = (
         rows.hidden.requires_grad,
         weight.requires_grad,
         bias is not None and bias.requires_grad,
     )
     logp, ent, grads = fused_rows(
-        *kernel_inputs, head_options(args, rows, with_entropy, schedule), grad_fn, needs
+        *kernel_inputs, head_options(args, rows, with_entropy, schedule, vp), grad_fn, needs
     )
     with torch.no_grad():
         loss, metrics = loss_of(logp, ent)
     loss = _StoredGradients.apply(loss, _GradStore(grads), rows.hidden, weight, bias)
     return loss, metrics
+
+
+def _loss_grads(loss_of, logp: torch.Tensor, ent: torch.Tensor | None):
+    """d loss / d logp [M] and d loss / d entropy [M] (None without entropy)."""
+    with torch.enable_grad():
+        lp = logp.detach().requires_grad_()
+        en = None if ent is None else ent.detach().requires_grad_()
+        loss, _ = loss_of(lp, en)
+        inputs = [lp] if en is None else [lp, en]
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    g = grads[0] if grads[0] is not None else torch.zeros_like(lp)
+    e = None
+    if en is not None:
+        e = grads[1] if grads[1] is not None else torch.zeros_like(en)
+    return g, e
 
 
 def _rows_of(values: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ._chunked import HeadOptions, LinearLogprobsFunction, Schedule, forward_rows
-from ._validate import HeadArgs, check_chunk_size, check_flag, check_head_args
+from ._validate import HeadArgs, check_chunk_size, check_flag, check_head_call
+from .distributed import VocabParallel
 from .types import LogProbs
 
 
@@ -24,6 +25,7 @@ def linear_logprobs(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> LogProbs:
     """Log-probability of each label (and the entropy of each row) straight from hidden states.
 
@@ -55,6 +57,10 @@ def linear_logprobs(
             256 MiB on accelerators). The result does not depend on it beyond float rounding.
         head_dtype: dtype the projection runs in, e.g. ``torch.float32`` for a bf16 model
             (vLLM's fp32 LM head). None: the inputs' dtype.
+        vocab_parallel: a :class:`~logitless.VocabParallel` when the head is split over a
+            tensor-parallel group: ``weight``/``bias`` are then this rank's rows of the
+            vocabulary, labels stay global ids, and every rank gets the same outputs (a
+            collective call; see :mod:`logitless.distributed`).
 
     Returns:
         :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape``; entropy is
@@ -77,7 +83,7 @@ def linear_logprobs(
     """
     chunk_size = check_chunk_size(chunk_size)
     check_flag("with_entropy", with_entropy)
-    args = check_head_args(
+    args = check_head_call(
         hidden,
         weight,
         labels,
@@ -86,6 +92,7 @@ def linear_logprobs(
         softcap=softcap,
         ignore_index=ignore_index,
         head_dtype=head_dtype,
+        vocab_parallel=vocab_parallel,
     )
     rows = select_rows(args, ignore_index)
     opts = head_options(
@@ -93,18 +100,26 @@ def linear_logprobs(
         rows,
         with_entropy,
         Schedule.choose(rows.labels.numel(), weight.shape[0], weight.device, chunk_size),
+        vocab_parallel,
     )
+    labels_k = kernel_labels(rows, vocab_parallel)
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
         out = LinearLogprobsFunction.apply(
-            rows.hidden, weight, bias, rows.labels, rows.temperature, opts
+            rows.hidden, weight, bias, labels_k, rows.temperature, opts
         )
         logp, ent = out if with_entropy else (out, None)
     else:
-        logp, _, ent, _ = forward_rows(
-            rows.hidden, weight, bias, rows.labels, rows.temperature, opts
-        )
+        logp, _, ent, _ = forward_rows(rows.hidden, weight, bias, labels_k, rows.temperature, opts)
     return LogProbs(rows.scatter(logp), None if ent is None else rows.scatter(ent))
+
+
+def kernel_labels(rows: Rows, vocab_parallel: VocabParallel | None) -> torch.Tensor:
+    """[M] labels as the kernels index the local weight: shard-local under vocab parallelism
+    (out of ``[0, V_local)`` for labels another rank owns; the kernels mask those)."""
+    if vocab_parallel is None or vocab_parallel.vocab_start == 0:
+        return rows.labels
+    return rows.labels - vocab_parallel.vocab_start
 
 
 class Rows(NamedTuple):
@@ -147,7 +162,13 @@ def select_rows(args: HeadArgs, ignore_index: int) -> Rows:
     return Rows(hidden, labels, temp, idx, args.labels.numel(), args.batch_shape)
 
 
-def head_options(args: HeadArgs, rows: Rows, with_entropy: bool, schedule: Schedule) -> HeadOptions:
+def head_options(
+    args: HeadArgs,
+    rows: Rows,
+    with_entropy: bool,
+    schedule: Schedule,
+    vocab_parallel: VocabParallel | None = None,
+) -> HeadOptions:
     """Kernel options of a validated call."""
     return HeadOptions(
         softcap=args.softcap,
@@ -155,6 +176,7 @@ def head_options(args: HeadArgs, rows: Rows, with_entropy: bool, schedule: Sched
         with_entropy=with_entropy,
         head_dtype=args.head_dtype,
         schedule=schedule,
+        vocab_parallel=vocab_parallel,
     )
 
 
@@ -174,6 +196,7 @@ class LinearLogprobs(nn.Module):
         ignore_index: int = -100,
         chunk_size: int | None = None,
         head_dtype: torch.dtype | None = None,
+        vocab_parallel: VocabParallel | None = None,
     ) -> None:
         super().__init__()
         self.temperature = temperature
@@ -182,6 +205,7 @@ class LinearLogprobs(nn.Module):
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
         self.head_dtype = head_dtype
+        self.vocab_parallel = vocab_parallel
 
     def forward(
         self,
@@ -203,6 +227,7 @@ class LinearLogprobs(nn.Module):
             ignore_index=self.ignore_index,
             chunk_size=self.chunk_size,
             head_dtype=self.head_dtype,
+            vocab_parallel=self.vocab_parallel,
         )
 
     def extra_repr(self) -> str:
@@ -210,4 +235,5 @@ class LinearLogprobs(nn.Module):
             f"temperature={self.temperature}, softcap={self.softcap}, "
             f"with_entropy={self.with_entropy}, chunk_size={self.chunk_size}, "
             f"head_dtype={self.head_dtype}"
+            + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
         )
