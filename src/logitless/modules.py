@@ -1,0 +1,404 @@
+"""Module forms of the head that hold the head weight itself: for FSDP2 and tied embeddings.
+
+:class:`LogprobHead` and :class:`PolicyLossHead` take the module that owns the ``[V, H]`` head
+weight (an ``nn.Linear`` LM head, or the ``nn.Embedding`` of a model with tied embeddings) and
+register its ``weight`` (and ``bias``) as their own parameters: the *same* ``Parameter``
+objects, the way a tied ``lm_head`` shares the embedding's weight. They read the weight inside
+their own ``forward``, so FSDP2 sees an ordinary module: ``fully_shard(head)`` all-gathers the
+weight in the head's forward pre-hook and reduce-scatters its gradient after the head's
+backward. A tied weight goes in one group with the embedding, ``fully_shard([embed, head])``;
+FSDP2 then swaps the shared parameter in both modules and the gradients of the lookup and of
+the head sum into it before the reduce-scatter.
+
+FSDP2 mixed precision: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` casts every
+floating tensor argument of a sharded module's forward to bf16 by default, old log-probs,
+advantages and the counts inside a ``LossNormalizer`` included. Shard the head (and any module
+whose forward passes loss inputs on to it) with ``cast_forward_inputs=False``; the heads raise
+``ValueError`` on 16-bit loss inputs rather than compute with them.
+
+The heads keep weak references to the source module and its original parameters, and raise
+``ValueError`` in forward if the source has been given a new weight since (``fully_shard`` on
+the source alone, ``load_state_dict(assign=True)``, ...), rather than train a stale copy.
+
+Why the weight and not the module: if the head held the embedding as a child module, the
+embedding would sit inside the head's subtree, and ``fully_shard([embed, head])`` would keep
+only ``head`` as a root of the group (torch drops a listed module that is a descendant of
+another), so the embedding lookup would get no unshard hook.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ._validate import _is_dtensor
+from .distributed import VocabParallel
+from .fused_loss import fused_policy_loss
+from .head import linear_logprobs
+from .losses import LossNormalizer, PolicyLossConfig
+from .types import LogProbs
+
+__all__ = ["LogprobHead", "PolicyLossHead"]
+
+
+def _check_full_precision(owner: str, **values: object) -> None:
+    """Loss inputs (log-probs, advantages, counts, temperatures) must be fp32 or fp64.
+
+    In 16 bits they lose two to three significant digits: a bf16 log-prob of -5 is off by up to
+    0.016, so the ratio is off by 1.6%. The usual source is FSDP2's ``MixedPrecisionPolicy``,
+    which casts every floating tensor argument of a sharded module's forward (recursing into
+    dataclasses such as :class:`~logitless.LossNormalizer`) to ``param_dtype``.
+    """
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.itemsize < 4:
+            raise ValueError(
+                f"{owner}: {name} must be float32 or float64, got {value.dtype} (16-bit "
+                f"log-probs, advantages, counts and temperatures are off in the 3rd digit). If "
+                f"FSDP2 cast it: MixedPrecisionPolicy casts every floating tensor argument of a "
+                f"sharded module's forward to param_dtype; shard the head (and any module "
+                f"whose forward passes these on) with MixedPrecisionPolicy(..., "
+                f"cast_forward_inputs=False); head_dtype= sets the projection's dtype."
+            )
+
+
+class _SharedHeadWeight(nn.Module):
+    """Registers a source module's ``weight`` ``[V, H]`` (and ``bias`` ``[V]`` or None) as the
+    same Parameter objects, and checks in forward that they are still the source's."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if not isinstance(source, nn.Module):
+            raise ValueError(
+                f"{owner}: source must be an nn.Module that owns the [V, H] head weight (an "
+                f"nn.Linear, an nn.Embedding, ...), got {type(source).__name__}"
+            )
+        weight = getattr(source, "weight", None)
+        if not isinstance(weight, nn.Parameter):
+            raise ValueError(
+                f"{owner}: source ({type(source).__name__}) must have an nn.Parameter "
+                f"attribute 'weight' of shape [V, H], got {type(weight).__name__}"
+            )
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(
+                f"{owner}: source.weight must be a floating [V, H] parameter, got dtype "
+                f"{weight.dtype} and shape {list(weight.shape)}"
+            )
+        bias = getattr(source, "bias", None)
+        if bias is not None and (
+            not isinstance(bias, nn.Parameter)
+            or bias.shape != weight.shape[:1]
+            or not bias.is_floating_point()
+        ):
+            got = (
+                f"dtype {bias.dtype} and shape {list(bias.shape)}"
+                if isinstance(bias, torch.Tensor)
+                else type(bias).__name__
+            )
+            raise ValueError(
+                f"{owner}: source.bias must be None or a floating nn.Parameter of shape "
+                f"[{weight.shape[0]}] (weight's V), got {got}"
+            )
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", bias)
+        # Weak references only: holding the source (or its original weight) would keep a full
+        # copy of the weight alive after FSDP2 has sharded it.
+        self._source_refs: tuple | None = (
+            weakref.ref(source),
+            weakref.ref(weight),
+            None if bias is None else weakref.ref(bias),
+        )
+
+    def _current_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)`` as registered now (FSDP2 swaps them in its hooks).
+
+        Raises ValueError if they cannot be used: still a sharded DTensor (the head was left
+        out of the FSDP2 group), or no longer the source module's parameter (the source's was
+        replaced after the head was built, e.g. by ``fully_shard`` on the source alone: the
+        head would silently train a stale copy).
+        """
+        owner = type(self).__name__
+        weight, bias = self.weight, self.bias
+        if self._source_refs is not None:
+            source_ref, *built_refs = self._source_refs
+            source = source_ref()
+            for name, ours, built_ref in zip(
+                ("weight", "bias"), (weight, bias), built_refs, strict=True
+            ):
+                now = None if source is None else getattr(source, name, None)
+                built = None if built_ref is None else built_ref()
+                if source is not None and now is not ours and now is not built:
+                    raise ValueError(
+                        f"{owner}: the {type(source).__name__} it was built from holds a new "
+                        f"'{name}' parameter, so this head no longer shares it and would train "
+                        f"a stale copy. Typical cause: fully_shard applied to that module "
+                        f"without the head; put every module holding the weight in one group, "
+                        f"e.g. `fully_shard([model.embed_tokens, head])` or "
+                        f"`fully_shard([lm_head, head])`. Otherwise (load_state_dict("
+                        f"assign=True), to_empty, re-tying) build the head after that step."
+                    )
+        if _is_dtensor(weight) or (bias is not None and _is_dtensor(bias)):
+            raise ValueError(
+                f"{owner}: the head weight is a DTensor in forward (still sharded). FSDP2 "
+                f"gathers parameters in the forward hooks of the modules it was applied to: "
+                f"put this {owner} in the group that holds the weight, `fully_shard(head)`, "
+                f"or with a weight tied to the input embedding one group for all its users, "
+                f"`fully_shard([model.embed_tokens, head])`. For a tensor-parallel head, build "
+                f"the {owner} from a module holding this rank's plain [V/tp, H] shard and pass "
+                f"vocab_parallel=."
+            )
+        return weight, bias
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_source_refs"] = None  # weak references do not pickle; the copy has no source
+        return state
+
+
+class LogprobHead(_SharedHeadWeight):
+    """:func:`~logitless.linear_logprobs` as a module holding the head weight (shared, not copied).
+
+    ``LogprobHead(lm_head)(hidden, labels)`` equals ``linear_logprobs(hidden, lm_head.weight,
+    labels, bias=lm_head.bias)`` with the stored options. ``head.weight`` *is*
+    ``source.weight`` (and ``head.bias`` is ``source.bias``, or None): the same ``Parameter``,
+    so optimizers, ``.grad`` and tied weights see one tensor.
+
+    FSDP2: the weight is read inside this module's forward, so ``fully_shard(head)`` gathers it
+    there. Every module that holds the weight must be in the head's group: with tied
+    embeddings, ``fully_shard([model.embed_tokens, head])``; the gradients of the lookup and of
+    the head then sum into the one parameter before the reduce-scatter.
+
+    Args:
+        source: module owning the head weight: ``nn.Linear(H, V)`` (its ``[V, H]`` weight and
+            optional ``[V]`` bias), ``nn.Embedding(V, H)`` (tied embeddings), or any module
+            with an ``nn.Parameter`` ``weight`` ``[V, H]`` (and optionally ``bias`` ``[V]``).
+        temperature, softcap, with_entropy, ignore_index, chunk_size, head_dtype,
+            vocab_parallel: as in :func:`~logitless.linear_logprobs`.
+
+    Forward: ``head(hidden [..., H], labels [...], temperature=None) -> LogProbs`` of fp32
+    ``[...]`` tensors; a per-call ``temperature`` (e.g. a per-token tensor) overrides the stored
+    one.
+
+    Raises:
+        ValueError: at construction if ``source`` has no floating ``[V, H]`` weight parameter
+            (or a bias that is not ``[V]``); in forward on bad inputs, if the weight is still
+            a sharded DTensor, or if ``source`` has been given a new weight since the head was
+            built (e.g. ``fully_shard`` on ``source`` without the head): the head would train a
+            stale copy; or if a per-token ``temperature`` tensor is 16-bit (as FSDP2's
+            ``MixedPrecisionPolicy`` casts it unless ``cast_forward_inputs=False``). The messages
+            say how to apply ``fully_shard``.
+
+    Example:
+        >>> import torch
+        >>> from logitless.modules import LogprobHead
+        >>> embed = torch.nn.Embedding(100, 16)                   # tied: [V, H] weight
+        >>> head = LogprobHead(embed, with_entropy=True)
+        >>> head.weight is embed.weight
+        True
+        >>> ids = torch.randint(0, 100, (2, 6))
+        >>> hidden = torch.tanh(embed(ids))                        # a stand-in backbone
+        >>> labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+        >>> out = head(hidden, labels)
+        >>> out.logprobs.shape
+        torch.Size([2, 6])
+        >>> out.logprobs.sum().backward()                       # lookup + head gradients
+        >>> embed.weight.grad.shape
+        torch.Size([100, 16])
+    """
+
+    def __init__(
+        self,
+        source: nn.Module,
+        *,
+        temperature: float = 1.0,
+        softcap: float | None = None,
+        with_entropy: bool = False,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+        head_dtype: torch.dtype | None = None,
+        vocab_parallel: VocabParallel | None = None,
+    ) -> None:
+        super().__init__(source)
+        self.temperature = temperature
+        self.softcap = softcap
+        self.with_entropy = with_entropy
+        self.ignore_index = ignore_index
+        self.chunk_size = chunk_size
+        self.head_dtype = head_dtype
+        self.vocab_parallel = vocab_parallel
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float | torch.Tensor | None = None,
+    ) -> LogProbs:
+        """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
+        weight, bias = self._current_parameters()
+        _check_full_precision(type(self).__name__, temperature=temperature)
+        out = linear_logprobs(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            temperature=self.temperature if temperature is None else temperature,
+            softcap=self.softcap,
+            with_entropy=self.with_entropy,
+            ignore_index=self.ignore_index,
+            chunk_size=self.chunk_size,
+            head_dtype=self.head_dtype,
+            vocab_parallel=self.vocab_parallel,
+        )
+        # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
+        # output that is a view would drop it (torch warns about views). [N]-sized copies.
+        return LogProbs(*(t.clone() if t is not None and t._base is not None else t for t in out))
+
+    def extra_repr(self) -> str:
+        vocab, dim = self.weight.shape
+        return (
+            f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, "
+            f"temperature={self.temperature}, softcap={self.softcap}, "
+            f"with_entropy={self.with_entropy}, ignore_index={self.ignore_index}, "
+            f"chunk_size={self.chunk_size}, head_dtype={self.head_dtype}"
+            + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
+        )
+
+
+class PolicyLossHead(_SharedHeadWeight):
+    """:func:`~logitless.fused_policy_loss` as a module holding the head weight (shared).
+
+    ``PolicyLossHead(lm_head, config=cfg)(hidden, labels, old, adv)`` equals
+    ``fused_policy_loss(hidden, lm_head.weight, labels, old, adv, config=cfg,
+    bias=lm_head.bias)`` with the stored options. The weight and bias are registered as in
+    :class:`LogprobHead` (the same ``Parameter`` objects), and FSDP2 is applied the same way:
+    ``fully_shard(head)``, or ``fully_shard([model.embed_tokens, head])`` for a tied weight.
+
+    The head's gradients are computed in forward and handed to autograd by ``loss.backward()``
+    from the node that produced the loss, so they reach the (unsharded) parameter's ``.grad``
+    before FSDP2's post-backward reduce-scatter, like the gradient of any other layer.
+
+    Args:
+        source: module owning the ``[V, H]`` weight (and optional ``[V]`` bias), as in
+            :class:`LogprobHead`.
+        config: the :class:`~logitless.PolicyLossConfig`.
+        temperature, softcap, head_dtype, chunk_size, ignore_index, vocab_parallel: as in
+            :func:`~logitless.fused_policy_loss`.
+
+    Forward: ``head(hidden, labels, old_logprobs, advantages, *, document_ids=None,
+    ref_logprobs=None, rollout_logprobs=None, normalizer=None, temperature=None) -> (loss,
+    metrics)`` with ``hidden`` ``[N, H]`` or ``[B, T, H]``, the rest ``[N]`` / ``[B, T]`` (and
+    advantages per sequence or per token) as in :func:`~logitless.fused_policy_loss`; a
+    per-call ``temperature`` overrides the stored one.
+
+    Raises:
+        ValueError: as :class:`LogprobHead`, and if a loss input (old / ref / rollout
+            log-probs, advantages, a temperature tensor, the normalizer's counts) is a 16-bit
+            float: FSDP2's ``MixedPrecisionPolicy`` casts them unless the head is sharded with
+            ``cast_forward_inputs=False``.
+
+    Example:
+        >>> import torch, logitless
+        >>> from logitless.modules import PolicyLossHead
+        >>> lm_head = torch.nn.Linear(16, 100, bias=False)
+        >>> head = PolicyLossHead(lm_head, config=logitless.PolicyLossConfig())
+        >>> hidden = torch.randn(2, 6, 16, requires_grad=True)
+        >>> labels = torch.randint(0, 100, (2, 6))
+        >>> labels[:, :2] = -100                                  # prompt tokens
+        >>> with torch.no_grad():
+        ...     old = logitless.linear_logprobs(hidden, lm_head.weight, labels).logprobs
+        >>> loss, metrics = head(hidden, labels, old, torch.tensor([1.0, -1.0]))
+        >>> loss.backward()
+        >>> lm_head.weight.grad.shape
+        torch.Size([100, 16])
+    """
+
+    def __init__(
+        self,
+        source: nn.Module,
+        *,
+        config: PolicyLossConfig,
+        temperature: float = 1.0,
+        softcap: float | None = None,
+        head_dtype: torch.dtype | None = None,
+        chunk_size: int | None = None,
+        ignore_index: int = -100,
+        vocab_parallel: VocabParallel | None = None,
+    ) -> None:
+        if not isinstance(config, PolicyLossConfig):
+            raise ValueError(
+                f"PolicyLossHead: config must be a PolicyLossConfig, got {type(config).__name__}"
+            )
+        super().__init__(source)
+        self.config = config
+        self.temperature = temperature
+        self.softcap = softcap
+        self.head_dtype = head_dtype
+        self.chunk_size = chunk_size
+        self.ignore_index = ignore_index
+        self.vocab_parallel = vocab_parallel
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
+        normalizer: LossNormalizer | None = None,
+        temperature: float | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, metrics)`` of :func:`~logitless.fused_policy_loss` with this head's weight."""
+        weight, bias = self._current_parameters()
+        _check_full_precision(
+            type(self).__name__,
+            old_logprobs=old_logprobs,
+            advantages=advantages,
+            ref_logprobs=ref_logprobs,
+            rollout_logprobs=rollout_logprobs,
+            temperature=temperature,
+            **(
+                {}
+                if not isinstance(normalizer, LossNormalizer)
+                else {
+                    "normalizer.num_tokens": normalizer.num_tokens,
+                    "normalizer.num_sequences": normalizer.num_sequences,
+                }
+            ),
+        )
+        return fused_policy_loss(
+            hidden,
+            weight,
+            labels,
+            old_logprobs,
+            advantages,
+            config=self.config,
+            bias=bias,
+            temperature=self.temperature if temperature is None else temperature,
+            softcap=self.softcap,
+            head_dtype=self.head_dtype,
+            chunk_size=self.chunk_size,
+            ignore_index=self.ignore_index,
+            document_ids=document_ids,
+            ref_logprobs=ref_logprobs,
+            rollout_logprobs=rollout_logprobs,
+            normalizer=normalizer,
+            vocab_parallel=self.vocab_parallel,
+        )
+
+    def extra_repr(self) -> str:
+        vocab, dim = self.weight.shape
+        return (
+            f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, config={self.config}, "
+            f"temperature={self.temperature}, softcap={self.softcap}, "
+            f"head_dtype={self.head_dtype}, chunk_size={self.chunk_size}, "
+            f"ignore_index={self.ignore_index}"
+            + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
+        )
