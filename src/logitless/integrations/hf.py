@@ -1,0 +1,773 @@
+"""HF transformers causal LMs: per-token log-probs and policy losses, never the logits path.
+
+``model(input_ids, ...).logits`` projects *every* position of the batch through the LM head,
+``[B, T, V]`` in the model's dtype, before anything selects the tokens you train on. The
+functions here run the model's backbone instead (``model.model``: embeddings, decoder layers
+and the final norm), then hand the final hidden states and the head's own parameters to
+:func:`logitless.linear_logprobs` / :func:`logitless.fused_policy_loss`. No model code is
+patched and ``lm_head`` is never called; gradients reach every parameter of the model,
+including an input embedding tied to the head (its two gradients sum into one ``.grad``).
+
+**Which models.** Only classes whose ``forward`` has been read and whose results the tests
+compare with ``model(...).logits`` (see :data:`SUPPORTED_MODELS`): the logits are
+``lm_head(final hidden states)``, plus Gemma-2/3's final-logit soft-capping (passed to the op
+as ``softcap``) or Cohere's / Granite's constant logit scale (folded into the temperature).
+Anything else, including a subclass that overrides ``forward``, a head that is not a plain
+``nn.Linear`` and wrappers (PEFT's ``PeftModel``: pass ``peft_model.get_base_model()``), is
+refused with ``ValueError`` rather than risk different numbers.
+
+**Alignment.** Results have ``input_ids``' shape ``[B, T]`` and are aligned like HF's logits:
+position ``t`` holds ``log p(labels[:, t] | input_ids[:, :t + 1])``, with the default labels
+``labels[:, t] = input_ids[:, t + 1]`` (:func:`causal_lm_labels`). Positions without a label
+are 0.0 and cost nothing: they are dropped before the head projection.
+
+**Padding and packing.** Labels never cross a padding token (``attention_mask == 0``) or a
+document boundary (``position_ids`` restarting at 0, or ``cu_seqlens``). Whether *attention*
+keeps the documents of a packed row apart is the model's business, not logitless': in
+transformers 5, sdpa / eager / flash attention do when a row's ``position_ids`` restart at 0,
+no ``attention_mask`` is given and no KV cache is used (the backbone runs with
+``use_cache=False`` here, as training does); with an ``attention_mask`` they do not. Either
+way the head gives exactly what ``model(..., use_cache=False).logits`` would for the same
+arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .._validate import check_chunk_size, check_head_args
+from ..fused_loss import fused_policy_loss
+from ..head import linear_logprobs
+from ..losses import LossNormalizer, PolicyLossConfig, policy_loss
+from ..packing import (
+    cu_seqlens_to_position_ids,
+    next_token_labels,
+    position_ids_to_document_ids,
+)
+from ..types import LogProbs
+
+__all__ = [
+    "SUPPORTED_MODELS",
+    "CausalLMHead",
+    "causal_lm_head",
+    "causal_lm_hidden_states",
+    "causal_lm_labels",
+    "causal_lm_logprobs",
+    "causal_lm_policy_loss",
+]
+
+
+class CausalLMHead(NamedTuple):
+    """The LM head of a causal LM as the head op takes it.
+
+    The model's logits are ``softcap(F.linear(h, weight, bias)) * logit_scale``, where
+    ``softcap(z) = c·tanh(z / c)`` when ``softcap`` is a float ``c`` and the identity when None.
+
+    weight: ``[V, H]`` the head's Parameter itself (the input embedding's when tied).
+    bias: ``[V]`` or None.
+    softcap: Gemma-2/3 ``config.final_logit_softcapping``, or None.
+    logit_scale: Cohere's ``logit_scale``, ``1 / logits_scaling`` for Granite, else 1.0.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    softcap: float | None
+    logit_scale: float
+
+
+def _no_transform(model: nn.Module) -> tuple[float | None, float]:
+    return None, 1.0
+
+
+def _gemma_softcap(model: nn.Module) -> tuple[float | None, float]:
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return (None if cap is None else float(cap)), 1.0
+
+
+def _cohere_scale(model: nn.Module) -> tuple[float | None, float]:
+    return None, float(model.logit_scale)
+
+
+def _granite_scale(model: nn.Module) -> tuple[float | None, float]:
+    return None, 1.0 / float(model.config.logits_scaling)
+
+
+# Class name -> what its forward applies after ``lm_head``. Each entry's forward (transformers
+# 5.23) is ``hidden = self.model(...).last_hidden_state; logits = self.lm_head(hidden)`` plus
+# the transform named here, and tests/test_hf.py checks each against ``model(...).logits``.
+_AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
+    "LlamaForCausalLM": _no_transform,
+    "MistralForCausalLM": _no_transform,
+    "Qwen2ForCausalLM": _no_transform,
+    "Qwen3ForCausalLM": _no_transform,
+    "GemmaForCausalLM": _no_transform,
+    "Gemma2ForCausalLM": _gemma_softcap,
+    "Gemma3ForCausalLM": _gemma_softcap,
+    "Phi3ForCausalLM": _no_transform,
+    "Olmo2ForCausalLM": _no_transform,
+    "CohereForCausalLM": _cohere_scale,
+    "GraniteForCausalLM": _granite_scale,
+}
+
+#: Names of the transformers classes the functions of this module accept.
+SUPPORTED_MODELS: tuple[str, ...] = tuple(sorted(_AUDITED))
+
+# Backbone arguments the functions set themselves (or that would change which hidden states
+# come out): refused in ``**model_kwargs``.
+_RESERVED_KWARGS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "inputs_embeds",
+        "past_key_values",
+        "use_cache",
+        "labels",
+        "logits_to_keep",
+        "output_hidden_states",
+        "return_dict",
+        "cache_position",
+    }
+)
+
+
+# --------------------------------------------------------------------------------------------
+# model inspection
+
+
+def _audited_class(model: object) -> tuple[type, Callable]:
+    """The audited transformers class of ``model`` (possibly a base of its class)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a transformers causal LM, got {type(model).__name__}")
+    for cls in type(model).__mro__:
+        if cls.__name__ in _AUDITED and cls.__module__.startswith("transformers.models."):
+            if type(model).forward is not cls.forward:
+                raise ValueError(
+                    f"{type(model).__name__} overrides {cls.__name__}.forward; logitless cannot "
+                    "know what its logits are. Call logitless.linear_logprobs on its final "
+                    "hidden states and head weight instead."
+                )
+            return cls, _AUDITED[cls.__name__]
+    hint = ""
+    if hasattr(model, "get_base_model"):
+        hint = " For a PEFT model, pass peft_model.get_base_model()."
+    raise ValueError(
+        f"unsupported model {type(model).__name__}: logitless.integrations.hf handles "
+        f"{', '.join(SUPPORTED_MODELS)} (their logits are lm_head(final hidden states), with "
+        "Gemma's soft-capping or Cohere's / Granite's logit scale). For another model, call "
+        "logitless.linear_logprobs on its final hidden states and head weight after checking "
+        f"what its forward does to the logits.{hint}"
+    )
+
+
+def causal_lm_head(model: nn.Module) -> CausalLMHead:
+    """The head parameters and logit transforms of a supported transformers causal LM.
+
+    Returns the Parameters themselves (not copies), so gradients computed from them land in
+    the model's ``.grad``; a head tied to the input embedding returns the embedding's weight.
+
+    Raises:
+        ValueError: the model is not in :data:`SUPPORTED_MODELS`, overrides ``forward``, or
+            its output embedding is not a plain ``nn.Linear`` (a LoRA-wrapped or quantized
+            head, or one whose ``forward`` was replaced, e.g. by an offloading hook).
+
+    >>> import transformers
+    >>> cfg = transformers.Gemma2Config(vocab_size=100, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> head = causal_lm_head(transformers.Gemma2ForCausalLM(cfg))
+    >>> head.weight.shape, head.bias, head.softcap, head.logit_scale
+    (torch.Size([100, 16]), None, 30.0, 1.0)
+    """
+    cls, transform = _audited_class(model)
+    head = model.get_output_embeddings()
+    if head is not getattr(model, "lm_head", None):
+        raise ValueError(
+            f"{type(model).__name__}.get_output_embeddings() is not model.lm_head, the module "
+            "its forward calls"
+        )
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        raise ValueError(
+            f"model.lm_head must be a plain torch.nn.Linear (logits = F.linear(h, W, b)), got "
+            f"{type(head).__name__}; a wrapped head (LoRA, quantization) is not supported"
+        )
+    if "forward" in vars(head):
+        raise ValueError(
+            "model.lm_head.forward was replaced on the instance (e.g. by an offloading or "
+            "device-placement hook); logitless reads lm_head.weight directly and cannot "
+            "reproduce it"
+        )
+    softcap, scale = transform(model)
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{cls.__name__}: final_logit_softcapping must be > 0, got {softcap}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{cls.__name__}: the logit scale must be finite and > 0, got {scale}")
+    return CausalLMHead(head.weight, head.bias, softcap, scale)
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """``model.model``: the module the audited forwards call for the final hidden states."""
+    backbone = getattr(model, "model", None)
+    if not isinstance(backbone, nn.Module) or backbone is model:
+        raise ValueError(
+            f"{type(model).__name__} has no backbone module at model.model (got "
+            f"{type(backbone).__name__})"
+        )
+    return backbone
+
+
+# --------------------------------------------------------------------------------------------
+# input checks
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"[{', '.join(str(s) for s in t.shape)}]"
+
+
+def _check_input_ids(input_ids: object) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"input_ids must be an int64 (or int32) tensor of shape [B, T], got dtype "
+            f"{input_ids.dtype} and shape {_shape(input_ids)}"
+        )
+    return input_ids
+
+
+def _check_like_ids(
+    name: str, t: object, input_ids: torch.Tensor, dtypes: tuple[torch.dtype, ...]
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != input_ids.shape:
+        raise ValueError(
+            f"{name} must have input_ids' shape {_shape(input_ids)}, got {_shape(t)}"
+            + (" (4-D attention masks are not supported)" if name == "attention_mask" else "")
+        )
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have a dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device != input_ids.device:
+        raise ValueError(f"{name} must be on input_ids' device {input_ids.device}, got {t.device}")
+    return t
+
+
+_MASK_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
+_POS_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_attention_mask(attention_mask: object, input_ids: torch.Tensor) -> torch.Tensor:
+    mask = _check_like_ids("attention_mask", attention_mask, input_ids, _MASK_DTYPES)
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    return mask.bool()
+
+
+def causal_lm_labels(
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Next-token labels of a ``[B, T]`` batch, aligned like HF logits (the default labels).
+
+    ``labels[:, t] = input_ids[:, t + 1]`` when tokens ``t`` and ``t + 1`` are real tokens of
+    the same document and token ``t + 1`` is a response token; ``ignore_index`` otherwise
+    (the last position of every row always). Built with :func:`logitless.next_token_labels`.
+
+    Args:
+        input_ids: ``[B, T]`` token ids.
+        attention_mask: ``[B, T]`` 0/1 (or bool); 0 marks padding, anywhere (left, right).
+        position_ids: ``[B, T]``; a row's documents restart at 0 (packed rows). Where
+            ``attention_mask`` is 0 the position is ignored, so HF-style padding positions
+            are fine; without a mask, a negative position marks padding.
+        cu_seqlens: ``[D + 1]`` cumulative document lengths of a single packed row
+            (``B == 1``); tokens after ``cu_seqlens[-1]`` are padding. Not with position_ids.
+        response_mask: ``[B, T]`` bool over ``input_ids``: True at the tokens whose log-prob
+            is wanted (the generated response). Position ``t`` keeps its label only if
+            ``response_mask[:, t + 1]``.
+        ignore_index: the value of positions without a label.
+
+    Returns:
+        int64 ``[B, T]`` labels on ``input_ids``' device.
+
+    >>> ids = torch.tensor([[0, 0, 5, 6, 7, 8]])                   # left padding, 2 tokens
+    >>> causal_lm_labels(ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]),
+    ...                  response_mask=torch.tensor([[0, 0, 0, 0, 1, 1]]).bool())
+    tensor([[-100, -100, -100,    7,    8, -100]])
+    """
+    input_ids = _check_input_ids(input_ids)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    mask = None if attention_mask is None else _check_attention_mask(attention_mask, input_ids)
+    if position_ids is not None:
+        _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
+    if response_mask is not None:
+        _check_like_ids("response_mask", response_mask, input_ids, (torch.bool,))
+    if cu_seqlens is not None:
+        if position_ids is not None:
+            raise ValueError("give cu_seqlens or position_ids, not both")
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"cu_seqlens describes one packed row: input_ids must have shape [1, T], got "
+                f"{_shape(input_ids)}; for several rows pass position_ids restarting at 0"
+            )
+        labels = next_token_labels(input_ids, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
+    elif position_ids is not None:
+        pos = position_ids if mask is None else position_ids.masked_fill(~mask, -1)
+        labels = next_token_labels(input_ids, position_ids=pos, ignore_index=ignore_index)
+    else:
+        labels = next_token_labels(input_ids, ignore_index=ignore_index)
+    keep = torch.ones_like(labels, dtype=torch.bool)
+    if mask is not None:
+        keep[:, :-1] &= mask[:, :-1] & mask[:, 1:]  # never from or to a padding token
+    if response_mask is not None:
+        keep[:, :-1] &= response_mask[:, 1:]
+    return labels.masked_fill(~keep, ignore_index)
+
+
+def _check_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+    reserved = sorted(_RESERVED_KWARGS.intersection(model_kwargs))
+    if reserved:
+        raise ValueError(
+            f"model_kwargs must not set {', '.join(reserved)}: these are set by logitless or "
+            "would change which hidden states the backbone returns"
+        )
+
+
+def _model_position_ids(
+    position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None, total: int
+) -> torch.Tensor | None:
+    """What the backbone gets: position_ids as given, or restarting per cu_seqlens document
+    (padding after the last document at 0, i.e. one-token documents of its own)."""
+    if cu_seqlens is None:
+        return position_ids
+    return cu_seqlens_to_position_ids(cu_seqlens, total=total).clamp(min=0)[None]
+
+
+def _head_dtype(head_dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """Under autocast ``lm_head`` runs in the autocast dtype: so does the head op."""
+    if head_dtype is None and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return head_dtype
+
+
+def _effective_temperature(
+    temperature: float | torch.Tensor, logit_scale: float
+) -> float | torch.Tensor:
+    """``(z * scale) / T == z / (T / scale)``: the logit scale folds into the temperature."""
+    if logit_scale == 1.0:
+        return temperature
+    if isinstance(temperature, torch.Tensor):
+        return temperature / logit_scale
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        return temperature  # the head's check reports it
+    return float(temperature) / logit_scale
+
+
+def _prepare(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    labels: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    response_mask: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    chunk_size: int | None,
+    head_dtype: torch.dtype | None,
+    ignore_index: int,
+    model_kwargs: dict[str, Any],
+) -> tuple[CausalLMHead, torch.Tensor, float | torch.Tensor, torch.dtype | None]:
+    """Every check that needs no FLOP: model, inputs, labels, head options."""
+    check_chunk_size(chunk_size)
+    head = causal_lm_head(model)
+    _backbone(model)
+    _check_model_kwargs(model_kwargs)
+    input_ids = _check_input_ids(input_ids)
+    if labels is None:
+        labels = causal_lm_labels(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            response_mask=response_mask,
+            ignore_index=ignore_index,
+        )
+    else:
+        if response_mask is not None:
+            raise ValueError(
+                "give labels or response_mask, not both: with explicit labels, set the "
+                "positions you do not want to ignore_index"
+            )
+        if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+            got = _shape(labels) if isinstance(labels, torch.Tensor) else type(labels).__name__
+            raise ValueError(f"labels must have input_ids' shape {_shape(input_ids)}, got {got}")
+        # Still validate the model inputs the backbone will get.
+        causal_lm_labels(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            ignore_index=ignore_index,
+        )
+    temperature = _effective_temperature(temperature, head.logit_scale)
+    head_dtype = _head_dtype(head_dtype, head.weight.device)
+    # The head op's own checks (label range, temperature, dtypes, devices) on a placeholder of
+    # the hidden states' shape, so that bad input fails before the backbone runs.
+    placeholder = head.weight.new_zeros(()).detach().expand(*labels.shape, head.weight.shape[1])
+    check_head_args(
+        placeholder,
+        head.weight,
+        labels,
+        bias=head.bias,
+        temperature=temperature,
+        softcap=head.softcap,
+        ignore_index=ignore_index,
+        head_dtype=head_dtype,
+    )
+    return head, labels, temperature, head_dtype
+
+
+def causal_lm_hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **model_kwargs: Any,
+) -> torch.Tensor:
+    """Final hidden states ``[B, T, H]`` of a supported causal LM (after the final norm).
+
+    Runs ``model.model(input_ids, attention_mask=..., position_ids=..., use_cache=False,
+    **model_kwargs).last_hidden_state``: what ``model(...)`` feeds to ``lm_head``.
+    ``model_kwargs`` go to the backbone (e.g. flash-attention varlen arguments).
+
+    >>> import transformers
+    >>> cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> causal_lm_hidden_states(transformers.LlamaForCausalLM(cfg), torch.ones(2, 5).long()).shape
+    torch.Size([2, 5, 16])
+    """
+    _audited_class(model)
+    backbone = _backbone(model)
+    _check_model_kwargs(model_kwargs)
+    input_ids = _check_input_ids(input_ids)
+    if attention_mask is not None:
+        _check_like_ids("attention_mask", attention_mask, input_ids, _MASK_DTYPES)
+    if position_ids is not None:
+        _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **model_kwargs,
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden
+
+
+def causal_lm_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    with_entropy: bool = False,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+    ignore_index: int = -100,
+    **model_kwargs: Any,
+) -> LogProbs:
+    """Per-token log-probs (and entropy) of a transformers causal LM, without its logits.
+
+    Computes what this computes, without the ``[B, T, V]`` logits and only at labelled
+    positions::
+
+        logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits.float() / temperature
+        logp = logits.log_softmax(-1)
+        logprobs = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # 0 where ignored
+        entropy = -(logp.exp() * logp).sum(-1)                             # 0 where ignored
+
+    (Soft-capping and logit scales are those of the model's forward; the head's matmul runs
+    in the model's dtype, or ``head_dtype``, or the autocast dtype under autocast, as
+    ``lm_head`` would.)
+
+    Args:
+        model: a causal LM of :data:`SUPPORTED_MODELS`; its ``forward`` is not called.
+        input_ids: ``[B, T]`` token ids.
+        attention_mask, position_ids, cu_seqlens, response_mask: describe padding, packed
+            documents and the response tokens, see :func:`causal_lm_labels`; attention_mask
+            and position_ids also go to the backbone (with ``cu_seqlens``, the backbone gets
+            position_ids restarting at each document).
+        labels: ``[B, T]`` targets aligned like the logits; default :func:`causal_lm_labels`.
+        with_entropy, temperature, chunk_size, head_dtype, ignore_index: as in
+            :func:`logitless.linear_logprobs` (temperature: float or ``[B, T]`` tensor).
+        **model_kwargs: passed to the backbone (e.g. flash-attention varlen arguments).
+
+    Returns:
+        :class:`logitless.LogProbs` of fp32 ``[B, T]`` tensors; 0.0 where there is no label.
+
+    Raises:
+        ValueError: unsupported model, or a bad shape, dtype, device or value, before the
+            backbone runs.
+
+    >>> import transformers
+    >>> cfg = transformers.Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = transformers.Qwen2ForCausalLM(cfg)
+    >>> ids = torch.randint(0, 100, (2, 6))
+    >>> out = causal_lm_logprobs(model, ids, with_entropy=True)
+    >>> out.logprobs.shape, bool((out.logprobs[:, -1] == 0).all())   # last position: no label
+    (torch.Size([2, 6]), True)
+    >>> out.logprobs.sum().backward()                # gradients reach every model parameter
+    """
+    if not isinstance(with_entropy, bool):
+        raise ValueError(f"with_entropy must be a bool, got {with_entropy!r}")
+    head, labels, temperature, head_dtype = _prepare(
+        model,
+        input_ids,
+        labels=labels,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        response_mask=response_mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        head_dtype=head_dtype,
+        ignore_index=ignore_index,
+        model_kwargs=model_kwargs,
+    )
+    hidden = causal_lm_hidden_states(
+        model,
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=_model_position_ids(position_ids, cu_seqlens, input_ids.shape[1]),
+        **model_kwargs,
+    )
+    with torch.autocast(hidden.device.type, enabled=False):
+        return linear_logprobs(
+            hidden,
+            head.weight,
+            labels,
+            bias=head.bias,
+            temperature=temperature,
+            softcap=head.softcap,
+            with_entropy=with_entropy,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            head_dtype=head_dtype,
+        )
+
+
+def _document_ids(
+    document_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    input_ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """The loss's sequences: as given; else the documents of cu_seqlens / position_ids
+    (numbered row-major, padding -1); else None (each row one sequence)."""
+    if document_ids is not None:
+        return document_ids
+    if cu_seqlens is not None:
+        pos = cu_seqlens_to_position_ids(cu_seqlens, total=input_ids.shape[1])[None]
+    elif position_ids is not None:
+        pos = position_ids
+        if attention_mask is not None:
+            pos = pos.masked_fill(~attention_mask.bool(), -1)
+    else:
+        return None
+    return position_ids_to_document_ids(pos)
+
+
+class _Flattener:
+    """``[B, T]`` per-token loss inputs -> ``[B * T]``, checking their shape on the way."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        self.shape = shape
+
+    def __call__(
+        self, name: str, t: torch.Tensor | None, *, per_sequence_ok: bool = False
+    ) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if isinstance(t, torch.Tensor) and t.shape == self.shape:
+            return t.reshape(-1)
+        if per_sequence_ok and isinstance(t, torch.Tensor) and t.dim() == 1:
+            return t  # one per document id; policy_loss checks the count
+        got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+        want = " (per token) or [num_documents] (per document)" if per_sequence_ok else ""
+        raise ValueError(
+            f"{name} must have input_ids' shape [{', '.join(map(str, self.shape))}]{want}, "
+            f"got {got}"
+        )
+
+
+def causal_lm_policy_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    config: PolicyLossConfig,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    normalizer: LossNormalizer | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+    ignore_index: int = -100,
+    **model_kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RL policy loss of a transformers causal LM: backbone, then :func:`fused_policy_loss`.
+
+    Same ``(loss, metrics)`` and gradients for every model parameter as::
+
+        out = causal_lm_logprobs(model, input_ids, ..., with_entropy=config.entropy_coef != 0)
+        policy_loss(out.logprobs, old_logprobs, advantages, labels != ignore_index,
+                    config=config, entropy=out.entropy, document_ids=..., ...)
+
+    with the head's gradients taken during the forward pass (three head matmuls, no
+    ``[B, T, V]`` logits); ``loss.backward()`` then runs the backbone's backward.
+
+    Args:
+        model, input_ids, attention_mask, position_ids, cu_seqlens, labels, response_mask,
+            temperature, chunk_size, head_dtype, ignore_index, model_kwargs: as in
+            :func:`causal_lm_logprobs`. The loss mask is ``labels != ignore_index``.
+        old_logprobs: ``[B, T]`` fp32 log-probs of the behaviour policy, aligned like the
+            labels (e.g. ``causal_lm_logprobs(...)`` under ``torch.no_grad()``).
+        advantages: ``[B, T]`` per token, or one per sequence: ``[B]`` when each row is one
+            sequence (no ``document_ids``, ``cu_seqlens`` or ``position_ids``), else
+            ``[num_documents]``, one per document id.
+        document_ids: ``[B, T]`` the loss's sequences, ``0 .. D-1`` and -1 for padding (see
+            :func:`logitless.policy_loss`); default: the documents of ``cu_seqlens`` /
+            ``position_ids`` numbered in row-major order (for a padded batch: one per
+            non-empty row), else each row. With documents, the loss sees the flat ``[B * T]``
+            token stream; loss, metrics and gradients do not depend on the layout.
+        config, ref_logprobs, rollout_logprobs, normalizer: as in
+            :func:`logitless.policy_loss`.
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
+
+    Raises:
+        ValueError: unsupported model, or bad input to the head or the loss, before the
+            backbone runs.
+
+    >>> import transformers, logitless
+    >>> cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = transformers.LlamaForCausalLM(cfg)
+    >>> ids = torch.randint(0, 100, (2, 8))
+    >>> response = torch.zeros(2, 8, dtype=torch.bool); response[:, 3:] = True
+    >>> with torch.no_grad():
+    ...     old = causal_lm_logprobs(model, ids, response_mask=response).logprobs
+    >>> loss, metrics = causal_lm_policy_loss(model, ids, old, torch.tensor([1.0, -1.0]),
+    ...     config=logitless.PolicyLossConfig(), response_mask=response)
+    >>> loss.backward()
+    """
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    head, labels, temperature, head_dtype = _prepare(
+        model,
+        input_ids,
+        labels=labels,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        response_mask=response_mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        head_dtype=head_dtype,
+        ignore_index=ignore_index,
+        model_kwargs=model_kwargs,
+    )
+    document_ids = _document_ids(document_ids, attention_mask, position_ids, cu_seqlens, input_ids)
+    if document_ids is not None:
+        # Sequences are documents, not rows: the loss sees the flat [N] token stream, where
+        # per-sequence advantages are one per document id (policy_loss's packed form).
+        flat = _Flattener(labels.shape)
+        labels = flat("labels", labels)
+        old_logprobs = flat("old_logprobs", old_logprobs)
+        advantages = flat("advantages", advantages, per_sequence_ok=True)
+        document_ids = flat("document_ids", document_ids)
+        ref_logprobs = flat("ref_logprobs", ref_logprobs)
+        rollout_logprobs = flat("rollout_logprobs", rollout_logprobs)
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.expand(flat.shape).reshape(-1)
+    loss_kwargs = dict(
+        config=config,
+        document_ids=document_ids,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        normalizer=normalizer,
+    )
+    # The loss's own checks (shapes, document ids, required tensors) before the backbone: one
+    # [B, T]-sized evaluation on placeholder log-probs.
+    placeholder = torch.zeros(labels.shape, device=labels.device)
+    with torch.no_grad():
+        policy_loss(
+            placeholder,
+            old_logprobs,
+            advantages,
+            labels != ignore_index,
+            entropy=placeholder if config.entropy_coef != 0 else None,
+            **loss_kwargs,
+        )
+    hidden = causal_lm_hidden_states(
+        model,
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=_model_position_ids(position_ids, cu_seqlens, input_ids.shape[1]),
+        **model_kwargs,
+    )
+    if document_ids is not None:
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+    with torch.autocast(hidden.device.type, enabled=False):
+        return fused_policy_loss(
+            hidden,
+            head.weight,
+            labels,
+            old_logprobs,
+            advantages,
+            bias=head.bias,
+            temperature=temperature,
+            softcap=head.softcap,
+            head_dtype=head_dtype,
+            chunk_size=chunk_size,
+            ignore_index=ignore_index,
+            **loss_kwargs,
+        )
