@@ -9,7 +9,7 @@ from .config import PolicyLossConfig
 from .kl import kl_k1, kl_k2, kl_k3, kl_k3_k2_grad, kl_penalty
 from .mismatch import sequence_mask, token_band_mask, truncated_is_sequence, truncated_is_token
 from .normalizer import LossNormalizer, loss_normalizer
-from .policy import policy_loss
+from .policy import DocumentStats, document_stats, policy_loss
 from .ratio import sequence_log_ratio, token_log_ratio
 from .surrogates import (
     Surrogate,
@@ -22,11 +22,13 @@ from .surrogates import (
 )
 
 __all__ = [
+    "DocumentStats",
     "LossNormalizer",
     "PolicyLossConfig",
     "Surrogate",
     "aggregation_weights",
     "cispo_surrogate",
+    "document_stats",
     "dppo_surrogate",
     "gmpo_surrogate",
     "kl_k1",

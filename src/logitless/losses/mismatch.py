@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ._segments import Segments, gather, segment_mean, segment_sum
+from ._segments import Segments, gather, segment_sum
 
 __all__ = [
     "sequence_mask",
@@ -37,7 +37,12 @@ def truncated_is_sequence(
 ) -> torch.Tensor:
     """Sequence-level truncated IS ``min(Π_{t in doc} ρ_t, cap)``, carried by every token.  [N]"""
     total = segment_sum(torch.where(valid, log_rho.detach(), 0.0), segments)  # [D]
-    return gather(total.clamp(max=math.log(cap)).exp(), segments)  # [N]
+    return gather(truncated_is_from_total(total, cap), segments)  # [N]
+
+
+def truncated_is_from_total(total: torch.Tensor, cap: float) -> torch.Tensor:
+    """``min(exp(total_d), cap)`` per document from ``total_d = Σ_t log ρ_t``.  [D] -> [D]"""
+    return total.detach().clamp(max=math.log(cap)).exp()
 
 
 def token_band_mask(log_rho: torch.Tensor, low: float, high: float) -> torch.Tensor:
@@ -59,13 +64,22 @@ def sequence_mask(
     ``mode="geometric"``: ``exp(mean_t log ρ_t)``; ``mode="product"``: ``Π_t ρ_t``. Compared in
     log space, so a long sequence's product never overflows.
     """
-    lr = log_rho.detach()
-    if mode == "geometric":
-        stat = segment_mean(lr, valid, segments)  # [D]
-    elif mode == "product":
-        stat = segment_sum(torch.where(valid, lr, 0.0), segments)  # [D]
-    else:
+    if mode not in ("geometric", "product"):
         raise ValueError(f"mode must be 'geometric' or 'product', got {mode!r}")
+    lr = log_rho.detach()
+    total = segment_sum(torch.where(valid, lr, 0.0), segments)  # [D]
+    count = segment_sum(valid.to(lr.dtype), segments)  # [D]
+    return gather(sequence_keep(total, count, mode, low, high), segments)  # [N]
+
+
+def sequence_keep(
+    total: torch.Tensor, count: torch.Tensor, mode: str, low: float, high: float
+) -> torch.Tensor:
+    """Per-document keep mask of :func:`sequence_mask` from its sums.  [D], [D] -> [D] float
+
+    ``total_d = Σ_t log ρ_t`` and ``count_d`` (valid tokens) over the document's valid tokens.
+    """
+    stat = total / count.clamp(min=1.0) if mode == "geometric" else total  # [D]
     lo = math.log(low) if low > 0 else -math.inf
     keep = (stat >= lo) & (stat <= math.log(high))  # [D]
-    return gather(keep.to(lr.dtype), segments)  # [N]
+    return keep.to(total.dtype)

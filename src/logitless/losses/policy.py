@@ -2,54 +2,61 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
+from . import _context
 from ._segments import Segments, document_segments, gather, segment_sum
 from .aggregation import aggregation_weights, metric_weights
 from .config import PolicyLossConfig
 from .kl import kl_k3, kl_penalty
-from .mismatch import sequence_mask, token_band_mask, truncated_is_sequence, truncated_is_token
+from .mismatch import sequence_keep, token_band_mask, truncated_is_from_total, truncated_is_token
 from .normalizer import LossNormalizer
-from .ratio import sequence_log_ratio, token_log_ratio
+from .ratio import sequence_log_ratio_from_mean, token_log_ratio
 from .surrogates import (
     MAX_LOG_RATIO,
     Surrogate,
     cispo_surrogate,
     dppo_surrogate,
-    gmpo_surrogate,
+    gmpo_clipped_log_ratio,
+    gmpo_from_mean,
     ppo_clip_surrogate,
     reinforce_surrogate,
     sapo_surrogate,
 )
 
-__all__ = ["policy_loss"]
+__all__ = ["DocumentStats", "document_stats", "policy_loss"]
 
 
 # ---------------------------------------------------------------------------------------------
-# surrogate dispatch: each adapter only picks its options out of the config
+# surrogate dispatch: each adapter only picks its options out of the config. ``gmpo_mean`` is
+# each token's document mean of GMPO's clipped log-ratio (None for the other surrogates).
 
 
-def _ppo(c, log_ratio, lp, old, adv, valid, seg) -> Surrogate:
+def _ppo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
     return ppo_clip_surrogate(log_ratio, adv, c.clip_low, c.clip_high, c.dual_clip)
 
 
-def _cispo(c, log_ratio, lp, old, adv, valid, seg) -> Surrogate:
+def _cispo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
     return cispo_surrogate(log_ratio, lp, adv, c.clip_low, c.clip_high)
 
 
-def _sapo(c, log_ratio, lp, old, adv, valid, seg) -> Surrogate:
+def _sapo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
     return sapo_surrogate(log_ratio, adv, c.sapo_tau_pos, c.sapo_tau_neg)
 
 
-def _gmpo(c, log_ratio, lp, old, adv, valid, seg) -> Surrogate:
-    return gmpo_surrogate(log_ratio, adv, valid, seg, c.clip_low, c.clip_high)
+def _gmpo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
+    clipped = gmpo_clipped_log_ratio(log_ratio, adv, c.clip_low, c.clip_high)
+    return gmpo_from_mean(clipped, gmpo_mean, log_ratio, adv, c.clip_low, c.clip_high)
 
 
-def _reinforce(c, log_ratio, lp, old, adv, valid, seg) -> Surrogate:
+def _reinforce(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
     return reinforce_surrogate(log_ratio, adv)
 
 
-def _dppo(c, log_ratio, lp, old, adv, valid, seg) -> Surrogate:
+def _dppo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
     return dppo_surrogate(log_ratio, lp, old, adv, c.clip_low, c.clip_high, c.dppo_ratio_cap)
 
 
@@ -81,59 +88,329 @@ def _check_float(name: str, t: object, shape: torch.Size) -> torch.Tensor:
     return t
 
 
-def _segments(logprobs: torch.Tensor, document_ids: torch.Tensor | None) -> Segments:
-    """Document of each flattened token: the row of ``[B, T]``, or ``document_ids``."""
-    return document_segments(logprobs, document_ids, "logprobs")
+class _Call(NamedTuple):
+    """What the local checks of one call found."""
+
+    seg: Segments  # local document ids; size = 1 + the largest local id
+    adv_len: int | None  # number of per-sequence advantages; None: per-token advantages
+    norm_length: float | None
 
 
-def _token_advantages(advantages: object, logprobs: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """Per-token ``[N]`` advantages from per-token or per-sequence input."""
+def _check_advantages(advantages: object, logprobs: torch.Tensor) -> int | None:
+    """Per-token (None) or per-sequence (their number) advantages; the count is checked later."""
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
         raise ValueError(f"advantages must be a floating-point tensor, got {advantages!r}")
     if advantages.shape == logprobs.shape:
-        return advantages.reshape(-1)
-    if advantages.dim() == 1 and advantages.shape[0] >= seg.size:
+        return None
+    if advantages.dim() == 1:
         # one value per sequence: [B] for [B, T] input, [num_documents] for packed input
         if logprobs.dim() == 2 and advantages.shape[0] != logprobs.shape[0]:
             raise ValueError(
                 f"advantages must have shape {list(logprobs.shape)} (per token) or "
                 f"[{logprobs.shape[0]}] (per sequence), got {_shape(advantages)}"
             )
-        slot = seg.ids.clamp(min=0)  # [N]; padding reads document 0 and is masked later
-        return advantages[slot] if advantages.numel() else advantages.new_zeros(slot.shape)
+        return advantages.shape[0]
     raise ValueError(
         f"advantages must have logprobs' shape {list(logprobs.shape)} (per token) or "
-        f"[num_sequences] with num_sequences >= {seg.size} (per sequence), "
-        f"got {_shape(advantages)}"
+        f"[num_sequences] (per sequence), got {_shape(advantages)}"
     )
 
 
-def _norm_length(config: PolicyLossConfig, logprobs: torch.Tensor) -> float | None:
+def _check_advantage_count(
+    advantages: torch.Tensor, own: int | None, smallest: int | None, size: int, grouped: bool
+) -> None:
+    """Per-sequence advantages must cover every document id (of the whole group)."""
+    if smallest is None or smallest >= size:
+        return
+    where = " over the context group" if grouped else ""
+    if own is not None and own < size:
+        raise ValueError(
+            f"advantages must have logprobs' shape (per token) or [num_sequences] with "
+            f"num_sequences >= {size} (1 + the largest document id{where}) (per sequence), "
+            f"got {_shape(advantages)}"
+        )
+    raise ValueError(
+        f"advantages: another rank of the context group passed {smallest} per-sequence "
+        f"advantages, fewer than the {size} documents of the group (1 + the largest document "
+        "id); every rank must pass the advantages of every document"
+    )
+
+
+def _token_advantages(advantages: torch.Tensor, adv_len: int | None, seg: Segments):
+    """Per-token ``[N]`` advantages from per-token or (checked) per-sequence input."""
+    if adv_len is None:
+        return advantages.reshape(-1)
+    slot = seg.ids.clamp(min=0)  # [N]; padding reads document 0 and is masked later
+    return advantages[slot] if advantages.numel() else advantages.new_zeros(slot.shape)
+
+
+def _norm_length(config: PolicyLossConfig, logprobs: torch.Tensor, grouped: bool) -> float | None:
     if config.aggregation != "seq_mean_token_sum_norm":
         return None
     if config.norm_length is not None:
         return float(config.norm_length)
-    if logprobs.dim() == 2:
+    if logprobs.dim() == 2 and not grouped:
         return float(logprobs.shape[1])
+    what = (
+        "a [B, T] shard under context parallelism (its row length is not the sequence length)"
+        if grouped
+        else "a packed [N] input (there is no row length to default to)"
+    )
     raise ValueError(
         "norm_length must be set in PolicyLossConfig for aggregation='seq_mean_token_sum_norm' "
-        "with a packed [N] input (there is no row length to default to)"
+        f"with {what}"
     )
+
+
+def _check_inputs(
+    logprobs: object,
+    old_logprobs: object,
+    advantages: object,
+    mask: object,
+    config: object,
+    document_ids: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    *,
+    grouped: bool,
+    for_stats: bool = False,
+) -> _Call:
+    """Every local check of a call (no collective); ``ValueError`` on bad input."""
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if not isinstance(logprobs, torch.Tensor) or not logprobs.is_floating_point():
+        raise ValueError(f"logprobs must be a floating-point tensor, got {logprobs!r}")
+    if logprobs.dim() not in (1, 2):
+        raise ValueError(f"logprobs must have shape [N] or [B, T], got {_shape(logprobs)}")
+    shape = logprobs.shape
+    _check_float("old_logprobs", old_logprobs, shape)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != shape:
+        got = _shape(mask) + f" {mask.dtype}" if isinstance(mask, torch.Tensor) else repr(mask)
+        raise ValueError(f"mask must be a bool tensor of shape {list(shape)}, got {got}")
+    if not for_stats:
+        if config.kl_coef > 0 and ref_logprobs is None:
+            raise ValueError("ref_logprobs is required when config.kl_coef > 0")
+        if config.entropy_coef != 0 and entropy is None:
+            raise ValueError("entropy is required when config.entropy_coef != 0")
+    if config.uses_rollout and rollout_logprobs is None:
+        raise ValueError(
+            "rollout_logprobs is required when a mismatch correction is on "
+            "(mismatch_is / mismatch_token_mask / mismatch_seq_mask)"
+        )
+    for name, t in (
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+        ("entropy", entropy),
+    ):
+        if t is not None:
+            _check_float(name, t, shape)
+    seg = document_segments(logprobs, document_ids, "logprobs")
+    adv_len = _check_advantages(advantages, logprobs)
+    return _Call(seg, adv_len, _norm_length(config, logprobs, grouped))
+
+
+# ---------------------------------------------------------------------------------------------
+# per-document statistics (summed over the context-parallel group)
+
+
+@dataclass(frozen=True)
+class DocumentStats:
+    """Per-document sums of one call's token stream, over its context-parallel group.
+
+    Everything ``policy_loss`` needs to know about whole documents, as ``[size]`` tensors in
+    the loss's compute dtype. Every entry is a stop-gradient statistic. Made by
+    :func:`document_stats`; pass it to ``policy_loss(..., document_stats=...)`` to evaluate the
+    loss on the same stream again (e.g. chunk by chunk) without communicating.
+
+    size: ``D``, the length of per-document buffers: 1 + the largest document id of the group.
+    tokens: valid tokens (mask true, not padding) of each document.
+    log_ratio: ``Σ_t (log π_θ − log π_old)`` over each document's valid tokens (GSPO ratio,
+        ``ratio_seq_mask``), or None when the config needs none.
+    clipped_log_ratio: ``Σ_t ĉ_t`` (GMPO), or None.
+    log_rho: ``Σ_t log π_old/π_rollout`` (sequence truncated IS, ``mismatch_seq_mask``), or None.
+    key: fingerprint of the config and input layout it was computed for (checked on use).
+    """
+
+    size: int
+    tokens: torch.Tensor
+    log_ratio: torch.Tensor | None
+    clipped_log_ratio: torch.Tensor | None
+    log_rho: torch.Tensor | None
+    key: int
+
+
+def _stats_key(config: PolicyLossConfig, logprobs: object, ids: object, rollout: object) -> int:
+    dims = rows = None
+    if isinstance(logprobs, torch.Tensor):
+        dims = logprobs.dim()
+        rows = logprobs.shape[0] if dims == 2 and ids is None else None  # rows are documents
+    return _context.signature(config, dims, rows, rollout is None)
+
+
+def _needs(config: PolicyLossConfig, rollout_given: bool) -> tuple[bool, bool, bool]:
+    """Which per-document sums ``config`` needs: (log_ratio, clipped_log_ratio, log_rho)."""
+    return (
+        config.ratio_level == "sequence" or config.ratio_seq_mask is not None,
+        config.surrogate == "gmpo",
+        rollout_given
+        and (config.mismatch_is == "sequence" or config.mismatch_seq_mask is not None),
+    )
+
+
+def _compute_stats(config, lp, old, adv, valid, rollout, seg, group, key) -> DocumentStats:
+    """Segment sums of this rank's tokens, summed over ``group`` (one all-reduce) if given."""
+    need_lr, need_gmpo, need_rho = _needs(config, rollout is not None)
+    token_lr = (lp - old).detach()  # [N]
+    columns = {"tokens": valid.to(lp.dtype)}  # each [N]
+    if need_lr:
+        columns["log_ratio"] = torch.where(valid, token_lr, 0.0)
+    if need_gmpo:
+        c = gmpo_clipped_log_ratio(token_lr, adv, config.clip_low, config.clip_high)
+        columns["clipped_log_ratio"] = torch.where(valid, c, 0.0)
+    if need_rho:
+        columns["log_rho"] = torch.where(valid, old - rollout.detach(), 0.0)
+    sums = {k: segment_sum(v, seg) for k, v in columns.items()}  # each [size]
+    if group is not None:
+        flat = _context.all_reduce(torch.cat(list(sums.values())), group, "sum")
+        sums = dict(zip(sums, flat.split(seg.size), strict=True))
+    return DocumentStats(
+        seg.size,
+        sums["tokens"],
+        sums.get("log_ratio"),
+        sums.get("clipped_log_ratio"),
+        sums.get("log_rho"),
+        key,
+    )
+
+
+def _check_stats(stats: object, key: int, seg: Segments) -> None:
+    if not isinstance(stats, DocumentStats):
+        raise ValueError(f"document_stats must be a DocumentStats, got {type(stats).__name__}")
+    if stats.key != key:
+        raise ValueError(
+            "document_stats were computed for another config or input layout (a different "
+            "PolicyLossConfig, [N] vs [B, T] input, or rollout_logprobs given or not); compute "
+            "them with document_stats(...) for this call's config and inputs"
+        )
+    if seg.size > stats.size:
+        raise ValueError(
+            f"document_stats cover {stats.size} documents but document_ids go up to "
+            f"{seg.size - 1}; compute them on the same stream"
+        )
+
+
+def _agree(group, logprobs, error, what, call, sig) -> tuple[int, int | None]:
+    """Collective 1: (largest size, smallest per-sequence advantage count) over the group."""
+    device = logprobs.device if isinstance(logprobs, torch.Tensor) else torch.device("cpu")
+    size = call.seg.size if call is not None else 0
+    adv_len = call.adv_len if call is not None and call.adv_len is not None else None
+    size, hi, lo, neg_adv = _context.agree(
+        group,
+        device,
+        error,
+        what,
+        [size, sig, -sig, -(_context.UNBOUNDED if adv_len is None else adv_len)],
+    )
+    if hi != -lo:
+        raise ValueError(
+            f"{what}: the ranks of the context group made different calls (config, [N] vs [B, T] "
+            "input or row count, or which of ref_logprobs / rollout_logprobs / entropy / "
+            "normalizer / document_stats are given); every rank must make the same call on "
+            "its own shard of the stream"
+        )
+    return size, None if -neg_adv == _context.UNBOUNDED else -neg_adv
+
+
+def document_stats(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    config: PolicyLossConfig,
+    document_ids: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    context_group: object | None = None,
+) -> DocumentStats:
+    """The per-document statistics of a :func:`policy_loss` call, computed once.
+
+    Same arguments as :func:`policy_loss` (``ref_logprobs``, ``entropy`` and ``normalizer`` do
+    not enter them). Pass the result as ``policy_loss(..., document_stats=stats)`` to evaluate
+    the loss on the same stream several times (e.g. once per chunk of rows, with the other rows
+    held fixed) without recomputing the document sums, and under context parallelism without
+    any collective. Only ``log π_θ`` enters the stats (GSPO ratio, GMPO, ``ratio_seq_mask``),
+    as a constant: the gradient of a later ``policy_loss`` is exact for the values passed here.
+
+    With ``context_group`` this is a collective call over the group: two ``all_reduce`` calls
+    (MAX of 5 int64, then SUM of ``k · D`` float64, ``k`` = 1 to 4 sums), whatever the rank's
+    data.
+
+    Returns:
+        A :class:`DocumentStats`.
+    """
+    group = _context.check_group(context_group)
+    error, call = None, None
+    try:
+        call = _check_inputs(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            config,
+            document_ids,
+            None,
+            rollout_logprobs,
+            None,
+            grouped=group is not None,
+            for_stats=True,
+        )
+    except ValueError as e:
+        if group is None:
+            raise
+        error = e
+    key = _stats_key(config, logprobs, document_ids, rollout_logprobs)
+    if group is None:
+        size, smallest = call.seg.size, call.adv_len
+    else:
+        size, smallest = _agree(group, logprobs, error, "document_stats", call, key)
+    _check_advantage_count(advantages, call.adv_len, smallest, size, group is not None)
+    seg = Segments(call.seg.ids, size)
+    valid, dtype = _valid_and_dtype(logprobs, mask, seg)
+    lp, old = _clean(logprobs, valid, dtype), _clean(old_logprobs, valid, dtype)
+    adv = _clean(_token_advantages(advantages, call.adv_len, seg).detach(), valid, dtype)
+    rollout = None if rollout_logprobs is None else _clean(rollout_logprobs, valid, dtype)
+    return _compute_stats(config, lp.detach(), old.detach(), adv, valid, rollout, seg, group, key)
+
+
+def _valid_and_dtype(logprobs: torch.Tensor, mask: torch.Tensor, seg: Segments):
+    valid = mask.reshape(-1) & (seg.ids >= 0)  # [N] bool
+    return valid, torch.promote_types(logprobs.dtype, torch.float32)  # bf16 in -> fp32 math
+
+
+def _clean(t: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Invalid tokens may hold -inf/NaN log-probs; they must not reach exp() or the backward
+    pass (0 · NaN = NaN), so they are replaced by 0 before any arithmetic."""
+    return torch.where(valid, t.reshape(-1).to(dtype), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
 # metrics helpers (all detached, no host syncs)
+
+# reported min / max (kept apart: they reduce with MAX over a context group, not SUM)
+_EXTREMES = {"ratio_min", "ratio_max", "is_weight_min", "is_weight_max"}
+_COUNTS = {"num_tokens", "num_sequences"}
 
 
 def _wmean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (torch.where(w > 0, x, 0.0) * w).sum().detach()
 
 
-def _masked_extreme(x: torch.Tensor, valid: torch.Tensor, fn, empty: float) -> torch.Tensor:
-    sentinel = float("inf") if fn is torch.amin else float("-inf")
-    filled = torch.where(valid, x.detach(), sentinel)  # [N]
-    v = fn(torch.cat([filled, filled.new_full((1,), sentinel)]))
-    return torch.where(valid.any(), v, torch.full_like(v, empty))
+def _extreme(x: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Max (or, negated, min) over valid tokens; -inf when there is none.  [N] -> []"""
+    v = x.detach() if largest else -x.detach()
+    filled = torch.where(valid, v, float("-inf"))  # [N]
+    return torch.cat([filled, filled.new_full((1,), float("-inf"))]).amax()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,6 +428,8 @@ def policy_loss(
     rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     normalizer: LossNormalizer | None = None,
+    context_group: object | None = None,
+    document_stats: DocumentStats | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy-gradient loss from per-token log-probs; returns ``(loss, metrics)``.
 
@@ -163,6 +442,22 @@ def policy_loss(
     statistics are segment sums over ``document_ids`` (``-1`` = padding, never a document).
     With ``normalizer`` (see :func:`loss_normalizer`) the aggregation uses the step's global
     counts, so the micro-batch losses *sum* to the loss of the whole step.
+
+    **Context parallelism.** With ``context_group``, each rank passes its shard of one packed
+    stream (:func:`logitless.packing.context_parallel_split`) with *global* document ids (or
+    a ``[B, T]`` shard split along ``T``, every rank holding all ``B`` rows) and the same
+    per-sequence advantages. Every per-document statistic (token counts, GSPO/GMPO ratios,
+    sequence masks, sequence IS weights) is summed over the group, and the call's token and
+    sequence counts too, so each rank's ``loss`` is its *share*: the shares sum to the loss of
+    the whole stream in one process, and each rank's ``backward()`` gives its tokens exactly
+    the single-process gradient. Every per-document statistic is a stop-gradient constant, so
+    backward needs no communication. This is a **collective call**: every rank of the group
+    must make it, with the same config and optional arguments, whatever its data (no tokens,
+    everything masked). It issues, in this order, on the group: ``all_reduce`` MAX of 5 int64
+    (agreement: failure flag, document count, call fingerprint, advantage count), ``all_reduce``
+    SUM of the ``k · D`` per-document float64 sums (skipped when ``document_stats`` is given),
+    ``all_reduce`` SUM of the float64 mean metrics, ``all_reduce`` MAX of the float64 extreme
+    metrics. Bad input on one rank raises ``ValueError`` on every rank instead of hanging.
 
     Args:
         logprobs: ``[N]`` or ``[B, T]`` log π_θ of the sampled tokens, differentiable.
@@ -177,15 +472,24 @@ def policy_loss(
         rollout_logprobs: log π_rollout from the inference engine; required by the mismatch
             corrections, and enables the mismatch metrics when given.
         entropy: per-token entropy, required when ``config.entropy_coef != 0``.
-        normalizer: global counts for the step; default: this call's own counts.
+        normalizer: global counts for the step; default: this call's own counts (over the
+            context group, if any). Its ``loss_scale`` multiplies the returned loss.
+        context_group: the context-parallel ``ProcessGroup`` (see above), or None.
+        document_stats: per-document statistics from :func:`document_stats` for this same
+            stream and config: used instead of computing (and communicating) them.
 
     Returns:
-        ``loss``: 0-dim fp32 (or the inputs' float dtype) tensor. ``metrics``: dict of detached
-        0-dim tensors. Means (``pg_loss``, ``clip_frac_*``, ``ratio_mean``, ``approx_kl``,
-        ``kl_ref``, ``entropy``, ``mismatch_kl``, ``is_weight_mean``, ``is_masked_frac``) are
-        weighted like the loss and add up over micro-batches; ``ratio_min/max`` and
-        ``is_weight_min/max`` are local extremes; ``num_tokens`` / ``num_sequences`` are local
-        counts.
+        ``loss``: 0-dim fp32 (or the inputs' float dtype) tensor, times
+        ``normalizer.loss_scale``. ``metrics``: dict of detached 0-dim tensors, unscaled. Means
+        (``loss``, ``pg_loss``, ``clip_frac_*``, ``ratio_mean``, ``approx_kl``, ``kl_ref``,
+        ``entropy``, ``mismatch_kl``, ``is_weight_mean``, ``is_masked_frac``,
+        ``ratio_masked_frac``) are weighted like the loss and add up over micro-batches;
+        ``ratio_min/max`` and ``is_weight_min/max`` are extremes; ``num_tokens`` /
+        ``num_sequences`` count the call's valid tokens and documents. With
+        ``context_group`` every metric covers the whole group's stream (the same value on every
+        rank, equal to the single-process metric; a document split across ranks counts once).
+        With ``document_stats`` and no ``context_group``: means and extremes cover this rank's
+        tokens only (means are its share of the group's), counts cover the group.
 
     >>> cfg = PolicyLossConfig()
     >>> lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
@@ -193,70 +497,91 @@ def policy_loss(
     >>> loss
     tensor(-1., grad_fn=<SumBackward0>)
     """  # noqa: E501
-    if not isinstance(config, PolicyLossConfig):
-        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    if not isinstance(logprobs, torch.Tensor) or not logprobs.is_floating_point():
-        raise ValueError(f"logprobs must be a floating-point tensor, got {logprobs!r}")
-    if logprobs.dim() not in (1, 2):
-        raise ValueError(f"logprobs must have shape [N] or [B, T], got {_shape(logprobs)}")
-    shape = logprobs.shape
-    _check_float("old_logprobs", old_logprobs, shape)
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != shape:
-        got = _shape(mask) + f" {mask.dtype}" if isinstance(mask, torch.Tensor) else repr(mask)
-        raise ValueError(f"mask must be a bool tensor of shape {list(shape)}, got {got}")
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when config.kl_coef > 0")
-    if config.entropy_coef != 0 and entropy is None:
-        raise ValueError("entropy is required when config.entropy_coef != 0")
-    if config.uses_rollout and rollout_logprobs is None:
-        raise ValueError(
-            "rollout_logprobs is required when a mismatch correction is on "
-            "(mismatch_is / mismatch_token_mask / mismatch_seq_mask)"
+    group = _context.check_group(context_group)
+    grouped = group is not None
+    error, call = None, None
+    key = 0
+    try:
+        call = _check_inputs(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            config,
+            document_ids,
+            ref_logprobs,
+            rollout_logprobs,
+            entropy,
+            grouped=grouped,
         )
-    for name, t in (
-        ("ref_logprobs", ref_logprobs),
-        ("rollout_logprobs", rollout_logprobs),
-        ("entropy", entropy),
-    ):
-        if t is not None:
-            _check_float(name, t, shape)
-    seg = _segments(logprobs, document_ids)
-    adv = _token_advantages(advantages, logprobs, seg).detach()  # [N]
-    norm_length = _norm_length(config, logprobs)
-
-    # Sanitize: invalid tokens may hold -inf/NaN log-probs; they must not reach exp() or the
-    # backward pass (0 · NaN = NaN), so they are replaced by 0 before any arithmetic.
-    valid = mask.reshape(-1) & (seg.ids >= 0)  # [N] bool
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 in -> fp32 math
-
-    def clean(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(valid, t.reshape(-1).to(dtype), 0.0)
-
-    lp, old, adv = clean(logprobs), clean(old_logprobs).detach(), clean(adv)  # [N] each
+        key = _stats_key(config, logprobs, document_ids, rollout_logprobs)
+        if document_stats is not None:
+            _check_stats(document_stats, key, call.seg)
+        if normalizer is not None and not isinstance(normalizer, LossNormalizer):
+            raise ValueError(
+                f"normalizer must be a LossNormalizer or None, got {type(normalizer).__name__}"
+            )
+    except ValueError as e:
+        if not grouped:
+            raise
+        error = e
+    if grouped:
+        sig = _context.signature(
+            key,
+            ref_logprobs is None,
+            entropy is None,
+            normalizer is None,
+            document_stats is None,
+        )
+        size, smallest = _agree(group, logprobs, error, "policy_loss", call, sig)  # collective 1
+    else:
+        size, smallest = call.seg.size, call.adv_len
+    if document_stats is not None:
+        size = document_stats.size
+    _check_advantage_count(advantages, call.adv_len, smallest, size, grouped)
+    seg = Segments(call.seg.ids, size)
+    valid, dtype = _valid_and_dtype(logprobs, mask, seg)
+    adv = _token_advantages(advantages, call.adv_len, seg).detach()  # [N]
+    lp = _clean(logprobs, valid, dtype)  # [N]
+    old = _clean(old_logprobs, valid, dtype).detach()  # [N]
+    adv = _clean(adv, valid, dtype)  # [N]
     validf = valid.to(dtype)  # [N]
+    rollout = None if rollout_logprobs is None else _clean(rollout_logprobs, valid, dtype)
 
-    # counts: per document (local; documents are never split) and global denominators
-    n_doc = segment_sum(validf, seg)  # [D]
+    # per-document statistics (collective 2 under context parallelism) and counts
+    if document_stats is None:
+        stats = _compute_stats(config, lp, old, adv, valid, rollout, seg, group, key)
+    else:
+        stats = document_stats
+
+    def per_doc(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype)  # stats may come from a call in another dtype
+
+    n_doc = per_doc(stats.tokens)  # [D]
     tokens_in_doc = gather(n_doc, seg)  # [N]
-    local_tokens = validf.sum()
-    local_seqs = (n_doc > 0).sum().to(dtype)
+    call_tokens = n_doc.sum()
+    call_seqs = (n_doc > 0).sum().to(dtype)
     if normalizer is None:
-        num_tokens, num_seqs = local_tokens, local_seqs
+        num_tokens, num_seqs = call_tokens, call_seqs
     else:
         num_tokens = torch.as_tensor(normalizer.num_tokens, dtype=dtype, device=lp.device)
         num_seqs = torch.as_tensor(normalizer.num_sequences, dtype=dtype, device=lp.device)
     weights = aggregation_weights(
-        config.aggregation, validf, tokens_in_doc, num_tokens, num_seqs, norm_length
+        config.aggregation, validf, tokens_in_doc, num_tokens, num_seqs, call.norm_length
     )  # [N]
     mweights = metric_weights(config.aggregation, validf, tokens_in_doc, num_tokens, num_seqs)
+
+    def doc_mean(total: torch.Tensor) -> torch.Tensor:
+        return gather(per_doc(total) / n_doc.clamp(min=1.0), seg)  # [N]
 
     # ratio and surrogate
     token_lr = token_log_ratio(lp, old)  # [N]
     if config.ratio_level == "sequence":
-        log_ratio = sequence_log_ratio(lp, old, valid, seg)  # [N], GSPO token form
+        log_ratio = sequence_log_ratio_from_mean(lp, doc_mean(stats.log_ratio))  # GSPO token form
     else:
         log_ratio = token_lr
-    sur = _SURROGATES[config.surrogate](config, log_ratio, lp, old, adv, valid, seg)
+    gmpo_mean = doc_mean(stats.clipped_log_ratio) if config.surrogate == "gmpo" else None
+    sur = _SURROGATES[config.surrogate](config, log_ratio, lp, old, adv, gmpo_mean)
     per_token = sur.loss  # [N]
 
     metrics: dict[str, torch.Tensor] = {}
@@ -269,32 +594,37 @@ def policy_loss(
             keep_ratio = keep_ratio * token_band_mask(token_lr, *config.ratio_token_mask)
         if config.ratio_seq_mask is not None:
             lo, hi = config.ratio_seq_mask_range
-            keep_ratio = keep_ratio * sequence_mask(
-                token_lr, valid, seg, config.ratio_seq_mask, lo, hi
-            )
+            keep_doc = sequence_keep(
+                per_doc(stats.log_ratio), n_doc, config.ratio_seq_mask, lo, hi
+            )  # [D]
+            keep_ratio = keep_ratio * gather(keep_doc, seg)
         per_token = per_token * keep_ratio
         metrics["ratio_masked_frac"] = _wmean(1.0 - keep_ratio, mweights)
 
     # train/inference mismatch correction
-    if rollout_logprobs is not None:
-        log_rho = old - clean(rollout_logprobs).detach()  # [N], log π_old/π_rollout
+    if rollout is not None:
+        log_rho = old - rollout.detach()  # [N], log π_old/π_rollout
         # mismatch_kl: KL(π_rollout ‖ π_old) from rollout samples, k3 with ρ = π_old/π_rollout
         is_weight = torch.ones_like(lp)  # [N]
         if config.mismatch_is == "token":
             is_weight = truncated_is_token(log_rho, config.mismatch_is_cap)
         elif config.mismatch_is == "sequence":
-            is_weight = truncated_is_sequence(log_rho, valid, seg, config.mismatch_is_cap)
+            total_rho = per_doc(stats.log_rho)  # [D]
+            is_weight = gather(truncated_is_from_total(total_rho, config.mismatch_is_cap), seg)
         keep = torch.ones_like(lp)  # [N]
         if config.mismatch_token_mask is not None:
             keep = keep * token_band_mask(log_rho, *config.mismatch_token_mask)
         if config.mismatch_seq_mask is not None:
             lo, hi = config.mismatch_seq_mask_range
-            keep = keep * sequence_mask(log_rho, valid, seg, config.mismatch_seq_mask, lo, hi)
+            keep_doc = sequence_keep(
+                per_doc(stats.log_rho), n_doc, config.mismatch_seq_mask, lo, hi
+            )  # [D]
+            keep = keep * gather(keep_doc, seg)
         per_token = per_token * (is_weight * keep)
         metrics["mismatch_kl"] = _wmean(torch.expm1(log_rho) - log_rho, mweights)
         metrics["is_weight_mean"] = _wmean(is_weight, mweights)
-        metrics["is_weight_min"] = _masked_extreme(is_weight, valid, torch.amin, 1.0)
-        metrics["is_weight_max"] = _masked_extreme(is_weight, valid, torch.amax, 1.0)
+        metrics["is_weight_min"] = _extreme(is_weight, valid, largest=False)
+        metrics["is_weight_max"] = _extreme(is_weight, valid, largest=True)
         metrics["is_masked_frac"] = _wmean(1.0 - keep, mweights)
 
     pg_part = per_token
@@ -302,7 +632,7 @@ def policy_loss(
     if ref_logprobs is not None:
         kl = kl_penalty(
             lp,
-            clean(ref_logprobs),
+            _clean(ref_logprobs, valid, dtype),
             config.kl_estimator,
             config.kl_log_ratio_clamp,
             config.kl_value_clamp,
@@ -311,7 +641,7 @@ def policy_loss(
         if config.kl_coef > 0:
             total = total + config.kl_coef * kl
     if entropy is not None:
-        ent = clean(entropy)  # [N]
+        ent = _clean(entropy, valid, dtype)  # [N]
         metrics["entropy"] = _wmean(ent, mweights)
         if config.entropy_coef != 0:
             total = total - config.entropy_coef * ent
@@ -326,10 +656,28 @@ def policy_loss(
     if sur.clipped_dual is not None:
         metrics["clip_frac_dual"] = _wmean(sur.clipped_dual.to(dtype), mweights)
     metrics["ratio_mean"] = _wmean(ratio, mweights)
-    metrics["ratio_min"] = _masked_extreme(ratio, valid, torch.amin, 1.0)
-    metrics["ratio_max"] = _masked_extreme(ratio, valid, torch.amax, 1.0)
+    metrics["ratio_min"] = _extreme(ratio, valid, largest=False)
+    metrics["ratio_max"] = _extreme(ratio, valid, largest=True)
     # KL(π_old ‖ π_θ) from samples of π_old, k3 with r = π_θ/π_old (Schulman 2020)
     metrics["approx_kl"] = _wmean(kl_k3(old, lp.detach(), MAX_LOG_RATIO), mweights)
-    metrics["num_tokens"] = local_tokens.detach()
-    metrics["num_sequences"] = local_seqs.detach()
+    metrics["num_tokens"] = call_tokens.detach()
+    metrics["num_sequences"] = call_seqs.detach()
+    _finish_metrics(metrics, group, any_valid=call_tokens > 0 if grouped else valid.any())
+
+    if normalizer is not None and normalizer.loss_scale != 1.0:
+        loss = loss * normalizer.loss_scale
     return loss, metrics
+
+
+def _finish_metrics(metrics: dict[str, torch.Tensor], group, any_valid: torch.Tensor) -> None:
+    """Sum the means and max the extremes over ``group`` (collectives 3 and 4), in place."""
+    means = [k for k in metrics if k not in _EXTREMES and k not in _COUNTS]
+    extremes = [k for k in metrics if k in _EXTREMES]
+    if group is not None:
+        summed = _context.all_reduce(torch.stack([metrics[k] for k in means]), group, "sum")
+        maxed = _context.all_reduce(torch.stack([metrics[k] for k in extremes]), group, "max")
+        metrics.update(zip(means, summed.unbind(), strict=True))
+        metrics.update(zip(extremes, maxed.unbind(), strict=True))
+    for k in extremes:  # stored as max(x) or max(-x) = -min(x); 1.0 when there is no token
+        v = metrics[k] if k.endswith("_max") else -metrics[k]
+        metrics[k] = torch.where(any_valid, v, torch.ones_like(v))

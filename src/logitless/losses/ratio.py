@@ -34,4 +34,13 @@ def sequence_log_ratio(
     """
     token = token_log_ratio(logprobs, old_logprobs)  # [N]
     seq_mean = gather(segment_mean(token.detach(), valid, segments), segments)  # [N]
-    return seq_mean + logprobs - logprobs.detach()  # [N]
+    return sequence_log_ratio_from_mean(logprobs, seq_mean)
+
+
+def sequence_log_ratio_from_mean(logprobs: torch.Tensor, seq_mean: torch.Tensor) -> torch.Tensor:
+    """GSPO token form from each token's document mean log-ratio (a constant).  [N] -> [N]
+
+    ``policy_loss`` computes the document means once (summed over a context-parallel group when
+    there is one) and calls this; :func:`sequence_log_ratio` is the single-process composition.
+    """
+    return seq_mean.detach() + logprobs - logprobs.detach()  # [N]

@@ -141,12 +141,35 @@ def gmpo_surrogate(
     Aggregated with ``seq_mean_token_mean`` this is exactly ``mean_docs(−A · R)``, the GMPO
     objective; the token form lets every aggregation mode and micro-batch split apply.
     """
+    c = gmpo_clipped_log_ratio(log_ratio, advantages, clip_low, clip_high)  # [N]
+    mean_c = gather(segment_mean(c.detach(), valid, segments), segments)  # [N]
+    return gmpo_from_mean(c, mean_c, log_ratio, advantages, clip_low, clip_high)
+
+
+def gmpo_clipped_log_ratio(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> torch.Tensor:
+    """GMPO's per-token ``ĉ_t`` (sign-aware clip of the log-ratio in log space).  [N] -> [N]"""
     sign = torch.sign(advantages)  # [N]
     bounded = log_ratio.clamp(-clip_low, clip_high)  # [N]
     c = sign * torch.minimum(sign * log_ratio, sign * bounded)  # [N]
-    c = c.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    mean_c = gather(segment_mean(c.detach(), valid, segments), segments)  # [N]
-    ratio = torch.exp(mean_c + c - c.detach())  # [N], value R of the document
+    return c.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def gmpo_from_mean(
+    c: torch.Tensor,
+    mean_c: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> Surrogate:
+    """GMPO from ``ĉ_t`` and each token's document mean of ``ĉ`` (a constant).  [N] -> [N]
+
+    ``policy_loss`` computes the document means once (summed over a context-parallel group when
+    there is one); :func:`gmpo_surrogate` is the single-process composition.
+    """
+    ratio = torch.exp(mean_c.detach() + c - c.detach())  # [N], value R of the document
     clipped_high = (advantages > 0) & (log_ratio > clip_high)
     clipped_low = (advantages < 0) & (log_ratio < -clip_low)
     return Surrogate(-advantages * ratio, clipped_low, clipped_high)
