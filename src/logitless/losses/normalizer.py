@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ._segments import document_segments, segment_sum
+from . import _context
+from ._segments import Segments, document_segments, segment_sum
 
 __all__ = ["LossNormalizer", "loss_normalizer"]
 
@@ -16,17 +18,32 @@ __all__ = ["LossNormalizer", "loss_normalizer"]
 class LossNormalizer:
     """Counts for a whole optimizer step, shared by all its micro-batches.
 
-    num_tokens: valid tokens (mask true, not padding) in the step.
-    num_sequences: documents with at least one valid token in the step.
+    num_tokens: valid tokens (mask true, not padding) in the step, over every micro-batch and
+        every data- and context-parallel rank.
+    num_sequences: documents with at least one valid token in the step (a document split
+        across context-parallel ranks counts once).
+    loss_scale: :func:`policy_loss` multiplies the loss it returns by this (metrics stay
+        unscaled). Default 1.
 
     Pass the same normalizer to every micro-batch's :func:`policy_loss`; the micro-batch losses
-    then *sum* to the whole-step loss (and so do their gradients). With data parallelism, the
-    sum also runs over ranks: if your gradient all-reduce averages (DDP, FSDP), multiply each
-    rank's loss by the world size.
+    then *sum* to the whole-step loss (and so do their gradients), over micro-batches and over
+    ranks: each rank's loss is its share of the step's loss.
+
+    **DDP / FSDP.** Their gradient reduction *averages* over the ranks it spans (DDP: its
+    process group, by default the world; FSDP: the sharding (and replication) group, which
+    includes the context-parallel ranks when they are folded into the FSDP mesh). Averaging
+    the shares divides the step's gradient by that number of ranks ``R``. Undo it with
+    ``loss_scale=R``: ``loss_normalizer(..., loss_scale=dist.get_world_size(ddp_group))``. The
+    gradients after DDP's reduction are then exactly the whole-step gradient of one process.
+    Alternatively keep ``loss_scale=1`` and make the reduction a sum (FSDP2:
+    ``model.set_gradient_divide_factor(1.0)``). With a reduction that sums (or with no
+    gradient reduction at all, e.g. context parallelism alone with your own all-reduce of
+    gradients summing), ``loss_scale`` stays 1.
     """
 
     num_tokens: torch.Tensor | float
     num_sequences: torch.Tensor | float
+    loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "num_sequences"):
@@ -36,6 +53,37 @@ class LossNormalizer:
                     raise ValueError(f"{name} must be a scalar tensor or number, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"{name} must be a number >= 0 or a scalar tensor, got {v!r}")
+        _check_loss_scale(self.loss_scale)
+
+
+def _check_loss_scale(v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(
+            f"loss_scale must be a finite number > 0 (the number of ranks DDP/FSDP average "
+            f"gradients over, or 1), got {v!r}"
+        )
+
+
+def _local_counts(
+    masks: Sequence[torch.Tensor], document_ids: Sequence[torch.Tensor | None] | None
+) -> list[tuple[torch.Tensor, Segments]]:
+    """Validated ``(valid [N_k] bool, segments)`` per micro-batch (local document ids)."""
+    if not isinstance(masks, Sequence) or len(masks) == 0:
+        raise ValueError(f"masks must hold at least one micro-batch mask, got {masks!r}")
+    if document_ids is None:
+        document_ids = [None] * len(masks)
+    if len(document_ids) != len(masks):
+        raise ValueError(
+            f"document_ids must have one entry per mask ({len(masks)}), got {len(document_ids)}"
+        )
+    out = []
+    for k, (mask, ids) in enumerate(zip(masks, document_ids, strict=True)):
+        if not isinstance(mask, torch.Tensor) or mask.dim() not in (1, 2):
+            got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"masks[{k}] must be a [N] or [B, T] tensor, got {got}")
+        seg = document_segments(mask, ids, "mask")
+        out.append((mask.reshape(-1).bool() & (seg.ids >= 0), seg))
+    return out
 
 
 def loss_normalizer(
@@ -43,41 +91,89 @@ def loss_normalizer(
     document_ids: Sequence[torch.Tensor | None] | None = None,
     *,
     process_group: object | None = None,
+    context_group: object | None = None,
+    loss_scale: float = 1.0,
 ) -> LossNormalizer:
     """Count valid tokens and sequences over all micro-batches of a step (and all ranks).
 
     Args:
         masks: one bool mask per micro-batch, ``[N_k]`` or ``[B_k, T_k]``.
         document_ids: one ``[N_k]`` / ``[B_k, T_k]`` int64 tensor per micro-batch (``-1`` for
-            padding), or ``None`` (each row of a ``[B, T]`` mask is one sequence).
-        process_group: when given, the counts are summed over its ranks with one
-            ``all_reduce`` (so each rank's micro-batches must hold distinct documents).
+            padding), or ``None`` (each row of a ``[B, T]`` mask is one sequence). Ids are per
+            micro-batch; a document must not span micro-batches.
+        process_group: the data-parallel group (ranks holding *different* documents): the
+            counts are summed over it with one ``all_reduce``. Leave the context-parallel
+            peers out of it.
+        context_group: the context-parallel group (ranks holding shards of the *same*
+            micro-batches, with global document ids): per-document token counts of each
+            micro-batch are summed over it before documents are counted, so a document split
+            across ranks counts once, and a rank may hold no token of a document. Every rank of
+            the group must pass the same number of micro-batches.
+        loss_scale: stored in the normalizer; set it to the number of ranks DDP/FSDP average
+            gradients over (see :class:`LossNormalizer`).
 
     Returns:
-        A :class:`LossNormalizer` of 0-dim float64 tensors on the masks' device.
+        A :class:`LossNormalizer` of 0-dim float64 tensors on the masks' device, the same on
+        every rank of both groups.
+
+    Collectives (none without groups), in this order: with ``context_group``, ``all_reduce``
+    MAX of 4 int64 (failure flag, micro-batch count, document count) and ``all_reduce`` SUM of
+    ``K · D + 1`` float64 on it; with ``process_group``, ``all_reduce`` SUM of 3 float64 on it.
+    Bad input on one rank raises ``ValueError`` on every rank of the groups it reached.
 
     >>> m = [torch.tensor([[True, True], [True, False]]), torch.tensor([[False, False]])]
     >>> n = loss_normalizer(m)
     >>> (int(n.num_tokens), int(n.num_sequences))
     (3, 2)
     """
-    if len(masks) == 0:
-        raise ValueError("masks must hold at least one micro-batch mask, got an empty sequence")
-    if document_ids is None:
-        document_ids = [None] * len(masks)
-    if len(document_ids) != len(masks):
-        raise ValueError(
-            f"document_ids must have one entry per mask ({len(masks)}), got {len(document_ids)}"
-        )
-    device = masks[0].device
+    cp = _context.check_group(context_group, "context_group")
+    dp = _context.check_group(process_group, "process_group")
+    error, local = None, None
+    try:
+        _check_loss_scale(loss_scale)
+        local = _local_counts(masks, document_ids)
+    except ValueError as e:
+        if cp is None and dp is None:
+            raise
+        error = e
+    device = local[0][0].device if local else torch.device("cpu")
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # [tokens, sequences]
-    for mask, ids in zip(masks, document_ids, strict=True):
-        seg = document_segments(mask, ids, "mask")
-        valid = mask.reshape(-1).bool() & (seg.ids >= 0)  # [N]
-        per_doc = segment_sum(valid.double(), seg)  # [D]
-        counts += torch.stack([valid.sum(dtype=torch.float64), (per_doc > 0).sum().double()])
-    if process_group is not None:
+    if cp is not None:
+        # A failure anywhere in the context group is known to all its ranks after this
+        # exchange; they skip the next collective together and still join the data-parallel
+        # one below, so no rank of either group is left waiting.
+        k = len(local) if local else 0
+        size = max((seg.size for _, seg in local), default=0) if local else 0
+        any_failed, (k_hi, k_lo, size) = _context.exchange(
+            cp, device, error is not None, [k, -k, size]
+        )
+        if any_failed and error is None:
+            error = _context.other_rank_failed("loss_normalizer")
+        elif error is None and k_hi != -k_lo:
+            error = ValueError(
+                "loss_normalizer: every rank of the context group must pass the same number of "
+                f"micro-batches (shards of the same ones), got from {-k_lo} to {k_hi} (this "
+                f"rank: {k})"
+            )
+        if not any_failed and k_hi == -k_lo:
+            # per-document counts of every micro-batch in one buffer, plus the token count
+            per_doc = [segment_sum(v.double(), Segments(seg.ids, size)) for v, seg in local]
+            tokens = sum(v.sum(dtype=torch.float64) for v, _ in local).reshape(1)
+            flat = _context.all_reduce(torch.cat([*per_doc, tokens.to(device)]), cp, "sum")
+            docs = flat[:-1].reshape(k, size)  # [K, D]
+            counts = torch.stack([flat[-1], (docs > 0).sum(dtype=torch.float64)])
+    elif error is None:
+        for valid, seg in local:
+            per_doc = segment_sum(valid.double(), seg)  # [D]
+            counts += torch.stack([valid.sum(dtype=torch.float64), (per_doc > 0).sum().double()])
+    if dp is not None:
         import torch.distributed as dist
 
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
-    return LossNormalizer(num_tokens=counts[0], num_sequences=counts[1])
+        flagged = torch.cat([counts, counts.new_tensor([float(error is not None)])])
+        dist.all_reduce(flagged, op=dist.ReduceOp.SUM, group=dp)
+        if error is None and flagged[2] > 0:
+            error = _context.other_rank_failed("loss_normalizer", "data-parallel")
+        counts = flagged[:2]
+    if error is not None:
+        raise error
+    return LossNormalizer(num_tokens=counts[0], num_sequences=counts[1], loss_scale=loss_scale)
