@@ -40,6 +40,7 @@ import logitless.modules
 from logitless import (
     LossNormalizer,
     PolicyLossConfig,
+    VocabParallel,
     fused_policy_loss,
     linear_logprobs,
     loss_normalizer,
@@ -569,9 +570,89 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             results["cast"] = None
         except ValueError as e:
             results["cast"] = str(e)
+        results["vocab_parallel"] = vocab_parallel_module_vs_functional()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def vocab_parallel_module_vs_functional() -> list[str]:
+    """The heads pass ``vocab_parallel`` through: a module holding this rank's vocabulary shard
+    equals the functional call on that shard (outputs and gradients, bitwise). Returns the
+    names of the mismatches."""
+    vp = VocabParallel.even(V)
+    torch.manual_seed(5)  # the same full head on every rank
+    full = nn.Linear(H, V)
+    src = nn.Linear(H, vp.shard_size)
+    with torch.no_grad():
+        src.weight.copy_(vp.shard(full.weight))
+        src.bias.copy_(vp.shard(full.bias))
+    torch.manual_seed(6)  # the same tokens on every rank (the shards above differ in size)
+    hidden = torch.randn(11, H, requires_grad=True)
+    labels = torch.randint(0, V, (11,))
+    labels[:3] = -100
+    docs = torch.tensor([0] * 6 + [1] * 5)
+    with torch.no_grad():
+        old = linear_logprobs(hidden, src.weight, labels, bias=src.bias, vocab_parallel=vp)[0]
+    g_logp, g_ent = torch.randn(2, 11)
+    bad = []
+
+    def compare(run_module, run_functional, what):
+        h2, w2, b2 = _leaf(hidden), _leaf(src.weight), _leaf(src.bias)
+        outs = run_module(hidden), run_functional(h2, w2, b2)
+        for name, a, b in [("out", *outs), ("hidden", hidden.grad, h2.grad)] + [
+            ("weight", src.weight.grad, w2.grad),
+            ("bias", src.bias.grad, b2.grad),
+        ]:
+            if not torch.equal(a, b):
+                bad.append(f"{what} {name}")
+        for t in (hidden, src.weight, src.bias):
+            t.grad = None
+
+    def logp_loss(out):
+        return (out.logprobs * g_logp).sum() + (out.entropy * g_ent).sum()
+
+    def module_logp(h):
+        out = LogprobHead(src, with_entropy=True, vocab_parallel=vp)(h, labels)
+        logp_loss(out).backward()
+        return torch.stack([out.logprobs, out.entropy])
+
+    def functional_logp(h, w, b):
+        out = linear_logprobs(h, w, labels, bias=b, with_entropy=True, vocab_parallel=vp)
+        logp_loss(out).backward()
+        return torch.stack([out.logprobs, out.entropy])
+
+    def module_loss(h):
+        loss, _ = PolicyLossHead(src, config=DAPO, vocab_parallel=vp)(
+            h,
+            labels,
+            old,
+            torch.randn(2, generator=torch.Generator().manual_seed(1)),
+            document_ids=docs,
+            ref_logprobs=old,
+        )
+        loss.backward()
+        return loss.detach()
+
+    def functional_loss(h, w, b):
+        loss, _ = fused_policy_loss(
+            h,
+            w,
+            labels,
+            old,
+            torch.randn(2, generator=torch.Generator().manual_seed(1)),
+            config=DAPO,
+            bias=b,
+            document_ids=docs,
+            ref_logprobs=old,
+            vocab_parallel=vp,
+        )
+        loss.backward()
+        return loss.detach()
+
+    compare(module_logp, functional_logp, "LogprobHead")
+    compare(module_loss, functional_loss, "PolicyLossHead")
+    return bad
 
 
 @pytest.fixture(scope="module")
@@ -605,3 +686,8 @@ def test_sharding_the_source_without_the_head_says_what_to_shard(fsdp_results):
         assert r["cast"] is not None, "bf16-cast old log-probs reached the loss"
         assert "old_logprobs must be float32" in r["cast"], r["cast"]
         assert "cast_forward_inputs=False" in r["cast"], r["cast"]
+
+
+def test_vocab_parallel_passes_through(fsdp_results):
+    for r in fsdp_results:
+        assert r["vocab_parallel"] == [], r["vocab_parallel"]
