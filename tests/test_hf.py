@@ -601,6 +601,10 @@ def _bad_cases(model):
     return {
         "1-D input_ids": (lambda: hf.causal_lm_logprobs(model, ids[0]), "input_ids"),
         "float input_ids": (lambda: hf.causal_lm_logprobs(model, ids.float()), "input_ids"),
+        "input_ids device": (
+            lambda: hf.causal_lm_logprobs(model, ids.to("meta")),
+            "model's device",
+        ),
         "mask shape": (
             lambda: hf.causal_lm_logprobs(model, ids, attention_mask=ok[:, :5]),
             "attention_mask",

@@ -404,6 +404,10 @@ def _prepare(
     _backbone(model)
     _check_model_kwargs(model_kwargs)
     input_ids = _check_input_ids(input_ids)
+    if input_ids.device != head.weight.device:
+        raise ValueError(
+            f"input_ids must be on the model's device {head.weight.device}, got {input_ids.device}"
+        )
     if labels is None:
         labels = causal_lm_labels(
             input_ids,
