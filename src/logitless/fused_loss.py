@@ -24,7 +24,7 @@ from ._chunked import Schedule, forward_rows, fused_rows
 from ._validate import check_chunk_size, check_head_call
 from .distributed import VocabParallel
 from .head import Rows, head_options, kernel_labels, select_rows
-from .losses import LossNormalizer, PolicyLossConfig, policy_loss
+from .losses import DocumentStats, LossNormalizer, PolicyLossConfig, document_stats, policy_loss
 
 
 def is_token_local(config: PolicyLossConfig) -> bool:
@@ -55,6 +55,7 @@ def fused_policy_loss(
     rollout_logprobs: torch.Tensor | None = None,
     normalizer: LossNormalizer | None = None,
     vocab_parallel: VocabParallel | None = None,
+    context_group: object | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -91,6 +92,11 @@ def fused_policy_loss(
             rank's vocabulary shard, every rank computes the same loss from the combined
             log-probs, its weight shard gets its gradient and the hidden gradient is summed
             over the group (unless ``reduce_hidden_grad=False``). One ``[chunk, V/tp]`` buffer.
+        context_group: the context-parallel group when this rank holds a shard of a packed
+            stream (as in :func:`logitless.policy_loss`): per-document statistics are summed
+            over the group, the returned loss is this rank's share and the metrics are the
+            group's. A collective call; the number of collectives does not depend on the rank's
+            data or chunk count (the per-chunk gradients use precomputed document statistics).
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -118,7 +124,13 @@ def fused_policy_loss(
     rows = select_rows(args, ignore_index)
     mask = (args.labels != ignore_index).reshape(args.batch_shape)
 
-    def loss_of(logp_rows: torch.Tensor, ent_rows: torch.Tensor | None):
+    def loss_of(
+        logp_rows: torch.Tensor,
+        ent_rows: torch.Tensor | None,
+        stats: DocumentStats | None = None,
+        group: object | None = None,
+    ):
+        """policy_loss of [M] row values; ``group``: a collective call over it."""
         return policy_loss(
             rows.scatter(logp_rows),
             old_logprobs,
@@ -130,13 +142,30 @@ def fused_policy_loss(
             rollout_logprobs=rollout_logprobs,
             entropy=None if ent_rows is None else rows.scatter(ent_rows),
             normalizer=normalizer,
+            context_group=group,
+            document_stats=stats,
+        )
+
+    def stats_of(logp_rows: torch.Tensor) -> DocumentStats:
+        """The call's document statistics, summed over the context group (collective)."""
+        return document_stats(
+            rows.scatter(logp_rows),
+            old_logprobs,
+            advantages,
+            mask,
+            config=config,
+            document_ids=document_ids,
+            rollout_logprobs=rollout_logprobs,
+            context_group=context_group,
         )
 
     # Validate the loss's own inputs (shapes, document ids, required tensors) before any head
-    # FLOP: one [N]-sized policy_loss evaluation on placeholder log-probs.
+    # FLOP: one [N]-sized policy_loss evaluation on placeholder log-probs (under context
+    # parallelism a collective one, so a bad input on one rank raises on all).
     placeholder = _rows_of(old_logprobs, rows).detach().float()
+    placeholder_ent = torch.zeros_like(placeholder) if with_entropy else None
     with torch.no_grad():
-        loss_of(placeholder, torch.zeros_like(placeholder) if with_entropy else None)
+        loss_of(placeholder, placeholder_ent, group=context_group)
 
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
     num_rows, vp = rows.labels.numel(), vocab_parallel
@@ -161,26 +190,35 @@ def fused_policy_loss(
         return logp, ent
 
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
-        return loss_of(*no_grad_pass())
+        return loss_of(*no_grad_pass(), group=context_group)
 
+    # Context parallelism: the document statistics are summed over the group once, here;
+    # every later evaluation reuses them and issues no collective, whatever the chunk count.
+    stats = None
     if is_token_local(config):
         # Each chunk's gradient comes from the loss with the other rows at any finite value
-        # (old log-probs: ratio 1); token-locality makes it exact.
-        prefill = placeholder
-        prefill_ent = torch.zeros_like(prefill) if with_entropy else None
+        # (old log-probs: ratio 1); token-locality makes it exact (and the statistics of a
+        # token-local loss do not depend on log π_θ, so the placeholder gives the right ones).
+        if context_group is not None:
+            with torch.no_grad():
+                stats = stats_of(placeholder)
 
         def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
             """d loss / d (logp, entropy) of rows [r0, r1), the other rows held fixed."""
-            full_lp = torch.cat([prefill[:r0], logp_c, prefill[r1:]])
+            full_lp = torch.cat([placeholder[:r0], logp_c, placeholder[r1:]])
             full_ent = None
             if ent_c is not None:
-                full_ent = torch.cat([prefill_ent[:r0], ent_c, prefill_ent[r1:]])
-            g, e = _loss_grads(loss_of, full_lp, full_ent)
+                full_ent = torch.cat([placeholder_ent[:r0], ent_c, placeholder_ent[r1:]])
+            g, e = _loss_grads(loss_of, full_lp, full_ent, stats)
             return g[r0:r1], None if e is None else e[r0:r1]
     else:
         # Sequence-level statistics need every row: a no-grad pass gives the exact log-probs,
         # and one evaluation of the loss gives every row's gradient.
-        g_all, e_all = _loss_grads(loss_of, *no_grad_pass())
+        prefill, prefill_ent = no_grad_pass()
+        if context_group is not None:
+            with torch.no_grad():
+                stats = stats_of(prefill)
+        g_all, e_all = _loss_grads(loss_of, prefill, prefill_ent, stats)
 
         def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
             return g_all[r0:r1], None if e_all is None else e_all[r0:r1]
@@ -195,17 +233,17 @@ def fused_policy_loss(
         *kernel_inputs, head_options(args, rows, with_entropy, schedule, vp), grad_fn, needs
     )
     with torch.no_grad():
-        loss, metrics = loss_of(logp, ent)
+        loss, metrics = loss_of(logp, ent, stats, context_group)
     loss = _StoredGradients.apply(loss, _GradStore(grads), rows.hidden, weight, bias)
     return loss, metrics
 
 
-def _loss_grads(loss_of, logp: torch.Tensor, ent: torch.Tensor | None):
-    """d loss / d logp [M] and d loss / d entropy [M] (None without entropy)."""
+def _loss_grads(loss_of, logp: torch.Tensor, ent: torch.Tensor | None, stats=None):
+    """d loss / d logp [M] and d loss / d entropy [M] (None without entropy); no collective."""
     with torch.enable_grad():
         lp = logp.detach().requires_grad_()
         en = None if ent is None else ent.detach().requires_grad_()
-        loss, _ = loss_of(lp, en)
+        loss, _ = loss_of(lp, en, stats)
         inputs = [lp] if en is None else [lp, en]
         grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     g = grads[0] if grads[0] is not None else torch.zeros_like(lp)
