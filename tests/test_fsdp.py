@@ -116,7 +116,7 @@ CASES = [
     Case(
         "mp_tied_logprob_fp32head_inside", "logprob", head_dtype=torch.float32, inside=True, mp=True
     ),
-    Case("mp_tied_policy_gspo_fp32head", "policy", head_dtype=torch.float32, mp=True, config=GSPO),
+    Case("mp_tied_policy_dapo_fp32head", "policy", head_dtype=torch.float32, mp=True, config=DAPO),
 ]
 
 
