@@ -306,10 +306,17 @@ def test_frozen_weight_only_hidden_gets_gradient():
         ),
         (dict(chunk_size=0), "chunk_size"),
         (dict(temperature=-1.0), "temperature"),
+        # 16-bit loss inputs (e.g. cast by FSDP2 mixed precision) would skew the ratio
+        ("old_bf16", "old_logprobs must be float32 or float64"),
+        ("adv_fp16", "advantages must be float32 or float64"),
     ],
 )
 def test_bad_input_raises_value_error(change, match):
     p = _problem(False, torch.float32)
+    if change == "old_bf16":
+        change = dict(old_logprobs=p["old"].bfloat16())
+    elif change == "adv_fp16":
+        change = dict(advantages=p["adv"].half())
     args = dict(
         hidden=p["hidden"],
         weight=p["weight"],

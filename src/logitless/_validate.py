@@ -87,10 +87,17 @@ def check_head_args(
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if _is_dtensor(t):
-            raise ValueError(
-                f"{name} is a DTensor; pass the local shard (`.to_local()`) - logitless "
-                "takes plain tensors"
-            )
+            if name in ("weight", "bias"):
+                advice = (
+                    "with FSDP2, call the head inside a sharded module's forward so the weight "
+                    "is gathered (logitless.LogprobHead / PolicyLossHead); with tensor "
+                    "parallelism, pass this rank's vocab shard (`.to_local()`) together with "
+                    "vocab_parallel=logitless.VocabParallel(...). A plain `.to_local()` shard "
+                    "alone would be a softmax over part of the vocabulary"
+                )
+            else:
+                advice = "pass this rank's rows as a plain tensor (`.to_local()`)"
+            raise ValueError(f"{name} is a DTensor; logitless takes plain tensors: {advice}")
     if hidden.dim() < 1 or not hidden.is_floating_point():
         raise ValueError(
             f"hidden must be a floating tensor of shape [..., H], got dtype {hidden.dtype} "
