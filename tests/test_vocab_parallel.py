@@ -107,6 +107,15 @@ def _inputs(case: Case):
     return d
 
 
+def _backward_head(out, d: dict, case: Case) -> dict:
+    """Backpropagate the case's random upstream gradients through the head's outputs."""
+    upstream = (out.logprobs * d["g_logp"].to(out.logprobs.dtype)).sum()
+    if case.entropy:
+        upstream = upstream + (out.entropy * d["g_ent"].to(out.entropy.dtype)).sum()
+    upstream.backward()
+    return {"logprobs": out.logprobs} | ({"entropy": out.entropy} if case.entropy else {})
+
+
 def _leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh leaf copy in ``dtype`` that requires grad (never the shared master tensor)."""
     return t.detach().to(dtype).clone().requires_grad_()
@@ -130,13 +139,7 @@ def _run(case: Case, d: dict, dtype: torch.dtype, weight_rows=slice(None), vp=No
         out = linear_logprobs(
             hidden, weight, d["labels"], with_entropy=case.entropy, chunk_size=case.chunk_size, **kw
         )
-        upstream = (out.logprobs * d["g_logp"].to(out.logprobs.dtype)).sum()
-        if case.entropy:
-            upstream = upstream + (out.entropy * d["g_ent"].to(out.entropy.dtype)).sum()
-        upstream.backward()
-        outputs = {"logprobs": out.logprobs}
-        if case.entropy:
-            outputs["entropy"] = out.entropy
+        outputs = _backward_head(out, d, case)
     else:
         loss, metrics = _loss(case, d, hidden, weight, dtype, kw)
         (loss * d["scale"]).backward()
@@ -185,13 +188,7 @@ def _reference(case: Case, d: dict, dtype: torch.dtype):
         head_dtype=head_dtype,
     )
     if case.loss is None:
-        upstream = (out.logprobs * d["g_logp"].to(out.logprobs.dtype)).sum()
-        if case.entropy:
-            upstream = upstream + (out.entropy * d["g_ent"].to(out.entropy.dtype)).sum()
-        upstream.backward()
-        outputs = {"logprobs": out.logprobs}
-        if case.entropy:
-            outputs["entropy"] = out.entropy
+        outputs = _backward_head(out, d, case)
     else:
         f = out.logprobs.dtype
         adv = d["adv"][:, None].expand(N_TOK).to(f)
