@@ -1,7 +1,7 @@
 """Bad input to the head raises ValueError naming the argument, in the op and the reference alike.
 
 One test per check in ``logitless._validate``; every test runs against both functions, which
-share those checks. Not covered: the DTensor check (building a DTensor needs a process group).
+share those checks. The DTensor check needs a process group: it is in test_vocab_parallel.py.
 """
 
 from __future__ import annotations

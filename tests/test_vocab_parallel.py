@@ -255,6 +255,19 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
     wrong_w = w if rank == 0 else w[:-1]
     expect("weight shape", lambda: linear_logprobs(h, wrong_w, labels, vocab_parallel=vp))
     expect("not a VocabParallel", lambda: linear_logprobs(h, w, labels, vocab_parallel=(0, 5)))
+    # DTensors (e.g. an FSDP2-sharded weight, a sequence-sharded hidden): plain tensors only
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    w_full = d["weight"].float()
+    expect(
+        "dtensor weight",
+        lambda: linear_logprobs(h, distribute_tensor(w_full, mesh, [Shard(0)]), labels),
+    )
+    expect(
+        "dtensor hidden",
+        lambda: linear_logprobs(distribute_tensor(h, mesh, [Shard(0)]), w_full, labels),
+    )
     # still usable after all that (no collective left half-done)
     out = linear_logprobs(h, w, labels, vocab_parallel=vp)
     msgs["after"] = "finite" if bool(torch.isfinite(out.logprobs).all()) else "non-finite"
@@ -354,6 +367,10 @@ def test_bad_inputs_raise_on_every_rank():
         else:
             assert "another rank" in msgs["weight shape"], msgs["weight shape"]
         assert "VocabParallel" in msgs["not a VocabParallel"]
+        assert (
+            "LogprobHead" in msgs["dtensor weight"] and "vocab_parallel" in msgs["dtensor weight"]
+        )
+        assert "DTensor" in msgs["dtensor hidden"] and "to_local" in msgs["dtensor hidden"]
         assert msgs["after"] == "finite"
 
 
