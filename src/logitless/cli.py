@@ -199,7 +199,127 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     return 1 if any(r.status == "failed" for r in rows) else 0
 
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_bench_parser,)
+DEFAULT_DEMO_PLOT = "demo-results/grpo_demo_{mode}.png"
+
+
+def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``logitless demo``."""
+    from .demo import DemoConfig
+
+    d = DemoConfig()
+    p = subparsers.add_parser(
+        "demo",
+        help="a small GRPO run on CPU: reward, loss, KL, entropy and peak memory per step",
+        description=(
+            "GRPO on a tiny random-init Llama (transformers, built from a config: nothing is "
+            "downloaded) with a 16k vocabulary, learning to echo the last digit of its prompt. "
+            "Prints a progress bar with reward, loss, KL and entropy, a summary (reward first "
+            "-> last, peak memory per step) and saves a plot. --naive runs the same loop with "
+            "model(...).logits -> log_softmax, to see the memory difference."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--steps", type=_positive_int, default=d.steps, help="GRPO steps")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--naive", action="store_true", help="full-logits head path instead of logitless"
+    )
+    mode.add_argument(
+        "--compare", action="store_true", help="run logitless, then naive, and plot both"
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="model, prompt and sampling seed")
+    p.add_argument("--device", type=_device, default=d.device, help="cpu, cuda or cuda:N")
+    p.add_argument("--vocab", type=_positive_int, default=d.vocab, help="vocabulary size V")
+    p.add_argument("--prompts", type=_positive_int, default=d.prompts, help="prompts per step")
+    p.add_argument("--group", type=_positive_int, default=d.group, help="samples per prompt")
+    p.add_argument("--lr", type=_positive_float, default=d.lr, help="AdamW learning rate")
+    p.add_argument(
+        "--threads", type=_positive_int, default=_default_threads(), help="torch CPU threads"
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        default=DEFAULT_DEMO_PLOT,
+        help="reward and peak memory per step ({mode}: logitless, naive or compare)",
+    )
+    p.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    p.add_argument("--csv", type=Path, metavar="CSV", help="also write per-step metrics here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_run_demo_command, command_parser=p)
+
+
+def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Handler of ``logitless demo``: run one mode (or both), summarize, plot."""
+    import torch
+
+    from .demo import DemoConfig, plot_demo, run_demo, show_samples, write_csv
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available in this torch build")
+    if args.group < 2:
+        parser.error(f"--group must be >= 2 (group-relative advantages), got {args.group}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        parser.error("logitless demo needs transformers: pip install 'logitless[hf]'")
+    torch.set_num_threads(args.threads)
+    modes = [False, True] if args.compare else [args.naive]
+    try:
+        configs = [
+            DemoConfig(
+                steps=args.steps,
+                naive=naive,
+                seed=args.seed,
+                device=args.device,
+                vocab=args.vocab,
+                prompts=args.prompts,
+                group=args.group,
+                lr=args.lr,
+            )
+            for naive in modes
+        ]
+    except ValueError as exc:
+        parser.error(str(exc))
+    c = configs[0]
+    print(
+        f"logitless demo: GRPO on a random-init Llama (V={c.vocab}, H={c.hidden}, {c.layers} "
+        f"layers), echo the last of {c.digits} digits; {c.prompts} prompts x {c.group} samples "
+        f"per step, {c.steps} steps, {c.device}, {args.threads} threads",
+        flush=True,
+    )
+    results = []
+    for config in configs:
+        result = run_demo(config, progress=not args.quiet)
+        results.append(result)
+        print(result.summary(), flush=True)
+        for line in show_samples(result, n=3):
+            print(f"    {line}")
+    print(results[0].memory_note)
+    if len(results) == 2:
+        fused, naive = results
+        print(
+            f"naive / logitless peak step memory: "
+            f"{naive.peak_mb(typical=True) / fused.peak_mb(typical=True):.1f}x (median), "
+            f"{naive.peak_mb() / fused.peak_mb():.1f}x (max)"
+        )
+    if args.csv is not None:
+        write_csv(results, args.csv)
+        print(f"wrote {args.csv}")
+    if not args.no_plot:
+        label = "compare" if args.compare else c.mode
+        path = Path(str(args.plot).replace("{mode}", label))
+        if plot_demo(results, path):
+            print(f"wrote {path}")
+        else:
+            print("no plot: matplotlib is not installed (pip install 'logitless[bench]')")
+    return 0
+
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_bench_parser,
+    add_demo_parser,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

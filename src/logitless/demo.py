@@ -1,0 +1,772 @@
+"""A small but real GRPO loop on a tiny random-init transformers policy: ``logitless demo``.
+
+The policy is a 2-layer Llama built from a config (nothing is downloaded) with a 16k
+vocabulary, so the LM head holds most of the parameters and the ``[tokens, vocab]`` logits
+dominate the memory of a training step. It learns a verifiable toy task: given
+``<bos> d1 d2 d3``, answer ``d3 d3 d3`` (echo the last digit); the reward is the fraction of
+answer tokens that are right. The toy tokenizer maps ``<pad> <bos>`` and the ten digits to
+ids 0-11; the other ids never occur in the data, but the policy spreads probability over them
+and every log-prob is normalized over the whole vocabulary.
+
+One step is what an RL trainer does:
+
+1. sample ``group`` completions per prompt from the policy itself (temperature 1, KV cache);
+2. score them; group-relative (GRPO) advantages;
+3. under ``torch.no_grad()``: the log-probs of the response tokens under the sampling policy
+   (``old``) and under the frozen initial policy (``ref``, for the KL term);
+4. ``updates`` AdamW steps on the clipped policy loss (DAPO clip-higher, token mean) with a k3
+   KL to the reference; the second update sees ratios != 1, so the clip matters.
+
+The head path is the only difference between the two modes. ``logitless`` runs the backbone
+and calls :func:`logitless.integrations.hf.causal_lm_logprobs` /
+:func:`~logitless.integrations.hf.causal_lm_policy_loss` (prompt rows are never projected,
+the loss's head gradients are taken in forward). ``naive`` takes ``model(...).logits`` ->
+``log_softmax`` -> :func:`logitless.policy_loss`, the code people write by hand. Both give
+the same numbers (tests/test_demo.py); the naive one holds several ``[tokens, vocab]`` fp32
+tensors.
+
+A random-init policy spreads its mass over the 16k ids, so a reward on digits would start at
+~0 and GRPO would see no signal. A short supervised warm-up (``warmup`` steps of
+cross-entropy on *random* digit answers) first teaches the format; the answers are random, so
+the RL reward starts at chance (0.1) and what it gains above that is RL's work. The warm-up
+policy is the KL reference.
+
+>>> from logitless.demo import DemoConfig, run_demo
+>>> result = run_demo(DemoConfig(steps=2, vocab=256, warmup=2), progress=False)
+>>> [row.step for row in result.rows]
+[1, 2]
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+import torch
+
+from .advantages import grpo_advantages
+from .losses import PolicyLossConfig, policy_loss
+
+if TYPE_CHECKING:  # transformers is an optional dependency (extra "hf")
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "Batch",
+    "DemoConfig",
+    "DemoResult",
+    "StepMetrics",
+    "ToyTask",
+    "build_policy",
+    "plot_demo",
+    "rollout",
+    "run_demo",
+    "sample",
+    "show_samples",
+    "step_loss",
+    "token_logprobs",
+    "write_csv",
+]
+
+IGNORE = -100
+PAD, BOS, DIGIT0 = 0, 1, 2  # toy tokenizer: <pad> <bos> 0 1 … 9  ->  ids 0 1 2 3 … 11
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration and results
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"DemoConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: object, *, positive: bool) -> None:
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value > 0 if positive else value >= 0)
+    )
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"DemoConfig.{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything :func:`run_demo` needs; the defaults are the ``logitless demo`` run.
+
+    Model: ``vocab``, ``hidden``, ``layers``, ``heads`` of a Llama built from a config.
+    Task: ``digits`` per prompt (= answer length).
+    Batch: ``prompts`` per step x ``group`` completions per prompt (the GRPO group).
+    Optimization: ``lr`` (AdamW), ``updates`` optimizer steps per rollout batch,
+    ``clip_low`` / ``clip_high`` (PPO ε, DAPO clip-higher), ``kl_coef`` (k3 KL to the initial
+    policy), ``max_grad_norm``; ``warmup`` supervised format steps at ``warmup_lr`` first.
+    Run: ``steps`` RL steps, ``naive`` (full-logits head path), ``seed``, ``device``.
+    """
+
+    steps: int = 200
+    naive: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    vocab: int = 16384
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    digits: int = 3
+    prompts: int = 16
+    group: int = 8
+    lr: float = 1.5e-3
+    updates: int = 2
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.01
+    max_grad_norm: float = 1.0
+    warmup: int = 60
+    warmup_lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "vocab", "hidden", "layers", "heads", "digits", "prompts"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("updates", self.updates, 1)
+        _check_int("group", self.group, 2)  # group-relative advantages need two samples
+        _check_int("warmup", self.warmup, 0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"DemoConfig.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.naive, bool):
+            raise ValueError(f"DemoConfig.naive must be a bool, got {self.naive!r}")
+        if self.vocab < DIGIT0 + 10:
+            raise ValueError(
+                f"DemoConfig.vocab must be >= {DIGIT0 + 10} (the toy tokens), got {self.vocab}"
+            )
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"DemoConfig.hidden ({self.hidden}) must be a multiple of heads ({self.heads})"
+            )
+        for name in ("lr", "max_grad_norm", "warmup_lr"):
+            _check_float(name, getattr(self, name), positive=True)
+        for name in ("clip_low", "clip_high", "kl_coef"):
+            _check_float(name, getattr(self, name), positive=False)
+        if not isinstance(self.device, str):
+            raise ValueError(f"DemoConfig.device must be a string, got {self.device!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(
+                f"DemoConfig.device must be a torch device string such as 'cpu' or 'cuda', "
+                f"got {self.device!r}"
+            ) from None
+
+    @property
+    def mode(self) -> str:
+        """``"naive"`` or ``"logitless"``."""
+        return "naive" if self.naive else "logitless"
+
+    def loss_config(self) -> PolicyLossConfig:
+        """GRPO with DAPO's clip-higher: PPO clip, token mean, k3 KL to the reference policy."""
+        return PolicyLossConfig(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            aggregation="token_mean",
+            kl_coef=self.kl_coef,
+            kl_estimator="k3",
+        )
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One RL step.
+
+    reward: mean reward of the step's rollouts (sampled before its updates). loss, kl,
+    clip_frac: means over the step's ``updates`` optimizer steps (``kl``: the k3 estimate of
+    KL(π_θ ‖ π_ref) per response token; ``clip_frac``: the fraction of tokens whose ratio was
+    clipped, low + high). entropy: mean entropy (nats) of the sampling policy
+    over the response tokens. peak_mem_mb: peak extra memory of the whole step (sampling,
+    no-grad log-probs, loss, backward, optimizer) above what was in use when it started, see
+    :func:`memory_meaning`. seconds: wall time of the step.
+    """
+
+    step: int
+    reward: float
+    loss: float
+    kl: float
+    entropy: float
+    clip_frac: float
+    peak_mem_mb: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What :func:`run_demo` returns.
+
+    config; rows: one :class:`StepMetrics` per RL step; memory_note: what ``peak_mem_mb``
+    means on this device; policy: the trained model (see :func:`show_samples`).
+    """
+
+    config: DemoConfig
+    rows: list[StepMetrics]
+    memory_note: str
+    policy: PreTrainedModel | None = field(default=None, repr=False, compare=False)
+
+    def window(self, steps: int = 10) -> int:
+        """``steps``, or half the run if it is shorter (at least 1)."""
+        return max(1, min(steps, len(self.rows) // 2))
+
+    def reward_window(self, first: bool, steps: int = 10) -> float:
+        """Mean reward of the first (or last) :meth:`window` steps."""
+        w = self.window(steps)
+        rows = self.rows[:w] if first else self.rows[-w:]
+        return sum(r.reward for r in rows) / len(rows) if rows else float("nan")
+
+    def peak_mb(self, typical: bool = False) -> float:
+        """Largest (or median) ``peak_mem_mb`` over the steps."""
+        values = sorted(r.peak_mem_mb for r in self.rows)
+        if not values:
+            return float("nan")
+        return values[len(values) // 2] if typical else values[-1]
+
+    def summary(self) -> str:
+        """One line: reward first -> last (10-step means), peak step memory, time, e.g.
+        ``logitless: reward 0.096 -> 0.993 (first/last 10 steps), peak step memory 66 MB
+        median / 86 MB max, 200 steps in 82 s``."""
+        if not self.rows:
+            return f"{self.config.mode}: no steps"
+        seconds = sum(r.seconds for r in self.rows)
+        return (
+            f"{self.config.mode}: reward {self.reward_window(True):.3f} -> "
+            f"{self.reward_window(False):.3f} (first/last {self.window()} steps), peak step memory "
+            f"{self.peak_mb(typical=True):.0f} MB median / {self.peak_mb():.0f} MB max, "
+            f"{len(self.rows)} steps in {seconds:.0f} s"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the toy task
+
+
+@dataclass(frozen=True)
+class ToyTask:
+    """Prompts ``<bos> d1 … dL`` (random digits) and the reward of an ``L``-token answer.
+
+    The right answer repeats the last prompt digit ``L`` times (``<bos> 3 1 4`` ->
+    ``4 4 4``). The reward is the fraction of answer tokens equal to ``dL``; a policy guessing
+    digits at random scores 0.1. It cannot be gamed by a fixed answer (that also scores 0.1 on
+    average): the policy has to read the prompt.
+    """
+
+    digits: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.digits, bool) or not isinstance(self.digits, int) or self.digits < 1:
+            raise ValueError(f"ToyTask.digits must be an int >= 1, got {self.digits!r}")
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens per prompt: ``<bos>`` and the digits."""
+        return self.digits + 1
+
+    def prompts(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """``[n, L]`` random digit values 0-9 (int64, CPU)."""
+        return torch.randint(0, 10, (n, self.digits), generator=generator)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """Digit values ``[n, L]`` -> prompt ids ``[n, L + 1]``."""
+        bos = torch.full((values.shape[0], 1), BOS, dtype=torch.long)
+        return torch.cat([bos, values + DIGIT0], dim=1)
+
+    def correct(self, values: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """``[n, L]`` bool: which answer tokens are right."""
+        if responses.shape != values.shape:
+            raise ValueError(
+                f"responses must have the prompts' shape {list(values.shape)}, "
+                f"got {list(responses.shape)}"
+            )
+        return responses.cpu() == values[:, -1:] + DIGIT0
+
+    def reward(self, values: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """``[n]`` fraction of answer tokens that are right (fp32)."""
+        return self.correct(values, responses).float().mean(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the policy
+
+
+def build_policy(config: DemoConfig) -> PreTrainedModel:
+    """A random-init ``LlamaForCausalLM`` from a config, seeded by ``config.seed``.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install 'logitless[hf]'``).
+    """
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise ImportError("logitless demo needs transformers: pip install 'logitless[hf]'") from exc
+    model_config = LlamaConfig(
+        vocab_size=config.vocab,
+        hidden_size=config.hidden,
+        intermediate_size=4 * config.hidden,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.heads,
+        max_position_embeddings=2 * config.digits + 1,
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = LlamaForCausalLM(model_config)
+    return model.to(config.device)
+
+
+def _sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of ``probs`` ``[B, V]`` by inverse CDF: ``[B, 1]`` int64.
+
+    The distribution of ``torch.multinomial(probs, 1)``, which is ~10x slower on CPU.
+    """
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first j with cdf_j > u·total
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    new_tokens: int,
+    generator: torch.Generator,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Sample ``new_tokens`` per row from the policy, with its KV cache.
+
+    ``prompt_ids`` ``[B, P]`` (no padding) -> response ids ``[B, new_tokens]``. Only the last
+    position's logits are computed, ``[B, V]`` per new token (inference needs them).
+    """
+    out = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
+    tokens = []
+    for i in range(new_tokens):
+        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
+        nxt = _sample_rows(probs, generator)  # [B, 1]
+        tokens.append(nxt)
+        if i + 1 < new_tokens:
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(tokens, dim=1)
+
+
+def response_labels(ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Next-token labels of the response tokens only: ``[B, S]``, ``IGNORE`` elsewhere.
+
+    Aligned like HF logits: position ``t`` predicts token ``t + 1``; positions
+    ``prompt_len - 1 … S - 2`` predict the response, the prompt and the last position get
+    ``IGNORE``.
+    """
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, prompt_len - 1 : -1] = ids[:, prompt_len:]
+    return labels
+
+
+def _naive_logprobs(
+    model: PreTrainedModel, ids: torch.Tensor, labels: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``model(ids).logits`` -> ``log_softmax``: the full-logits code people write by hand."""
+    logits = model(input_ids=ids, use_cache=False).logits  # [B, S, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (or fp64)
+    logp_all = torch.log_softmax(logits, dim=-1)  # [B, S, V]
+    valid = labels != IGNORE
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, S]
+    logp = torch.where(valid, logp, 0.0)
+    entropy = None
+    if with_entropy:
+        entropy = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), 0.0)  # [B, S]
+    return logp, entropy
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    naive: bool,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each label (and the entropy), ``[B, S]``, 0 where the label is ``IGNORE``.
+
+    ``naive=False``: :func:`logitless.integrations.hf.causal_lm_logprobs` (backbone + head op,
+    ignored rows never projected); ``naive=True``: full logits. Differentiable: wrap in
+    ``torch.no_grad()`` for old / reference log-probs.
+    """
+    if naive:
+        return _naive_logprobs(model, ids, labels, with_entropy)
+    from .integrations.hf import causal_lm_logprobs
+
+    out = causal_lm_logprobs(model, ids, labels=labels, with_entropy=with_entropy)
+    return out.logprobs, out.entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# one GRPO step
+
+
+@dataclass
+class Batch:
+    """One rollout batch: ``B = prompts x group`` rows of ``S = 2·digits + 1`` tokens.
+
+    ids ``[B, S]``; labels ``[B, S]`` (response tokens, ``IGNORE`` elsewhere); rewards and
+    advantages ``[B]``; old_logprobs, ref_logprobs, entropy ``[B, S]`` (0 where ignored).
+    """
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def rollout(
+    policy: PreTrainedModel,
+    reference: PreTrainedModel,
+    task: ToyTask,
+    config: DemoConfig,
+    prompt_generator: torch.Generator,
+    sample_generator: torch.Generator,
+) -> Batch:
+    """Sample and score a batch; advantages and no-grad old / reference log-probs.
+
+    Prompts are drawn with ``prompt_generator`` (CPU), completions with ``sample_generator``
+    (on ``config.device``).
+    """
+    device = torch.device(config.device)
+    values = task.prompts(config.prompts, prompt_generator)  # [P, L]
+    values = values.repeat_interleave(config.group, dim=0)  # [B, L], each group contiguous
+    prompt_ids = task.encode(values).to(device)  # [B, L + 1]
+    with torch.no_grad():
+        responses = sample(policy, prompt_ids, task.digits, sample_generator)  # [B, L]
+        rewards = task.reward(values, responses).to(device)  # [B]
+        advantages = grpo_advantages(rewards, group_size=config.group)  # [B]
+        ids = torch.cat([prompt_ids, responses], dim=1)  # [B, S]
+        labels = response_labels(ids, task.prompt_len)  # [B, S]
+        old, entropy = token_logprobs(policy, ids, labels, naive=config.naive, with_entropy=True)
+        ref, _ = token_logprobs(reference, ids, labels, naive=config.naive)
+    return Batch(ids, labels, rewards, advantages, old, ref, entropy)
+
+
+def step_loss(
+    model: PreTrainedModel, batch: Batch, loss_config: PolicyLossConfig, *, naive: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of ``batch`` under ``model``: ``(loss, metrics)``, ready for backward.
+
+    ``naive=False``: :func:`logitless.integrations.hf.causal_lm_policy_loss` (backbone +
+    :func:`logitless.fused_policy_loss`: the head's gradients are taken in forward, one
+    ``[chunk, V]`` buffer); ``naive=True``: ``model(...).logits`` -> ``log_softmax`` ->
+    :func:`logitless.policy_loss`. Same loss, metrics and gradients up to float rounding.
+    """
+    with_entropy = loss_config.entropy_coef != 0
+    if naive:
+        logp, entropy = _naive_logprobs(model, batch.ids, batch.labels, with_entropy)
+        return policy_loss(
+            logp,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.labels != IGNORE,
+            config=loss_config,
+            ref_logprobs=batch.ref_logprobs,
+            entropy=entropy,
+        )
+    from .integrations.hf import causal_lm_policy_loss
+
+    return causal_lm_policy_loss(
+        model,
+        batch.ids,
+        batch.old_logprobs,
+        batch.advantages,
+        config=loss_config,
+        labels=batch.labels,
+        ref_logprobs=batch.ref_logprobs,
+    )
+
+
+def _warmup(
+    model: PreTrainedModel, task: ToyTask, config: DemoConfig, generator: torch.Generator
+) -> None:
+    """Supervised format warm-up: cross-entropy on answers of *random* digits."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.warmup_lr, weight_decay=0.0)
+    n = config.prompts * config.group
+    for _ in range(config.warmup):
+        values = task.prompts(n, generator)
+        answers = torch.randint(0, 10, (n, task.digits), generator=generator) + DIGIT0
+        ids = torch.cat([task.encode(values), answers], dim=1).to(config.device)
+        labels = response_labels(ids, task.prompt_len)
+        logp, _ = token_logprobs(model, ids, labels, naive=config.naive)
+        loss = -logp.sum() / (labels != IGNORE).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
+# ---------------------------------------------------------------------------------------------
+# peak memory of a step
+
+
+class _StepMemory:
+    """Peak extra memory of a region (the meters of ``logitless bench``).
+
+    CUDA: ``max_memory_allocated`` minus ``memory_allocated`` at start (peak stats reset). CPU
+    (Linux): the RSS high-water mark (``VmHWM``), reset through ``/proc/self/clear_refs``,
+    minus the RSS at start after returning freed heap pages to the OS. Without a resettable
+    high-water mark (not Linux) it is the growth of the lifetime ``ru_maxrss``, which only
+    moves when a step exceeds every earlier peak; ``note`` says so.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from .bench.worker import CpuPeakMemory, CudaPeakMemory
+
+        self._meter = CudaPeakMemory(device) if device.type == "cuda" else CpuPeakMemory()
+        self.peak_bytes = 0
+
+    @property
+    def note(self) -> str:
+        return self._meter.note
+
+    def __enter__(self) -> _StepMemory:
+        self._meter.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak_bytes = self._meter.peak_extra_bytes()
+
+
+def memory_meaning(device: torch.device, note: str = "") -> str:
+    """What ``peak_mem_mb`` means on this device (printed with the summary)."""
+    if device.type == "cuda":
+        return (
+            "peak step memory = torch.cuda.max_memory_allocated during the step minus the "
+            "memory allocated when it started"
+        )
+    if note:
+        return f"peak step memory: {note}"
+    return (
+        "peak step memory = process RSS high-water mark during the step (reset each step "
+        "through /proc/self/clear_refs) minus the RSS when it started; step 1 also allocates "
+        "the AdamW state"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+class _Progress:
+    """tqdm when installed, else a ``\\r`` status line on ``stream``; nothing if disabled."""
+
+    def __init__(self, total: int, desc: str, stream: TextIO, enabled: bool) -> None:
+        self.enabled, self.stream, self.total, self.desc = enabled, stream, total, desc
+        self.n, self.bar = 0, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, desc=desc, file=stream, dynamic_ncols=True)
+
+    def update(self, text: str) -> None:
+        self.n += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        else:
+            self.stream.write(f"\r{self.desc} {self.n}/{self.total} {text}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_demo(
+    config: DemoConfig,
+    *,
+    progress: bool = True,
+    stream: TextIO | None = None,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> DemoResult:
+    """Warm up, then train the toy policy with GRPO for ``config.steps`` steps.
+
+    Deterministic for a given config on one machine (prompts and samples use their own
+    generators). ``progress`` shows a bar (tqdm if installed) with reward, loss, KL, entropy
+    and memory on ``stream`` (default stderr); ``on_step`` is called with each step's
+    metrics.
+
+    ``peak_mem_mb`` of a step is its peak memory above what was in use when it started (see
+    :func:`memory_meaning`): what the step itself allocates (sampling, logits or head chunks,
+    activations, gradients), not the model, reference and optimizer state held across steps.
+
+    Raises:
+        ValueError: ``config`` is not a :class:`DemoConfig`, or its device is unavailable.
+        ImportError: transformers is not installed.
+    """
+    if not isinstance(config, DemoConfig):
+        raise ValueError(f"config must be a DemoConfig, got {type(config).__name__}")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r}: CUDA is not available in this torch build")
+    stream = sys.stderr if stream is None else stream
+    task = ToyTask(config.digits)
+    loss_config = config.loss_config()
+    prompt_generator = torch.Generator().manual_seed(config.seed)
+    sample_generator = torch.Generator(device=device).manual_seed(config.seed + 1)
+
+    policy = build_policy(config)
+    _warmup(policy, task, config, prompt_generator)
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, weight_decay=0.0)
+
+    rows: list[StepMetrics] = []
+    note = ""
+    bar = _Progress(config.steps, f"GRPO {config.mode}", stream, progress)
+    try:
+        for step in range(1, config.steps + 1):
+            t0 = time.perf_counter()
+            with _StepMemory(device) as mem:
+                batch = rollout(policy, reference, task, config, prompt_generator, sample_generator)
+                loss_sum = kl_sum = clip_sum = 0.0
+                for _ in range(config.updates):
+                    loss, metrics = step_loss(policy, batch, loss_config, naive=config.naive)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+                    optimizer.step()
+                    loss_sum += float(loss.detach())
+                    kl_sum += float(metrics["kl_ref"]) if "kl_ref" in metrics else 0.0
+                    clip_sum += float(metrics["clip_frac_low"] + metrics["clip_frac_high"])
+                    del loss, metrics
+                entropy = float(batch.entropy[batch.labels != IGNORE].mean())
+                reward = float(batch.rewards.mean())
+                del batch
+            note = mem.note
+            row = StepMetrics(
+                step=step,
+                reward=reward,
+                loss=loss_sum / config.updates,
+                kl=kl_sum / config.updates,
+                entropy=entropy,
+                clip_frac=clip_sum / config.updates,
+                peak_mem_mb=mem.peak_bytes / 2**20,
+                seconds=time.perf_counter() - t0,
+            )
+            rows.append(row)
+            if on_step is not None:
+                on_step(row)
+            bar.update(
+                f"reward={row.reward:.3f} loss={row.loss:+.4f} kl={row.kl:.4f} "
+                f"entropy={row.entropy:.3f} mem={row.peak_mem_mb:.0f}MB"
+            )
+    finally:
+        bar.close()
+    return DemoResult(config, rows, memory_meaning(device, note), policy)
+
+
+def show_samples(result: DemoResult, n: int = 4, seed: int = 12345) -> list[str]:
+    """``n`` lines ``"<bos> d1 … dL -> r1 … rL  (reward x)"`` sampled from the trained policy."""
+    if result.policy is None:
+        raise ValueError("result.policy is None: there is no policy to sample from")
+    c = result.config
+    task = ToyTask(c.digits)
+    values = task.prompts(n, torch.Generator().manual_seed(seed))
+    generator = torch.Generator(device=torch.device(c.device)).manual_seed(seed)
+    responses = sample(result.policy, task.encode(values).to(c.device), c.digits, generator)
+    rewards = task.reward(values, responses)
+    lines = []
+    for v, r, rew in zip(values.tolist(), responses.cpu().tolist(), rewards.tolist(), strict=True):
+        answer = " ".join(str(t - DIGIT0) if 0 <= t - DIGIT0 <= 9 else f"<id {t}>" for t in r)
+        lines.append(f"<bos> {' '.join(map(str, v))} -> {answer}  (reward {rew:.2f})")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# output: CSV and plot
+
+
+def write_csv(results: Sequence[DemoResult], path: Path | str) -> None:
+    """One row per (mode, step) with every :class:`StepMetrics` field; overwrites ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = ["mode"] + [f.name for f in fields(StepMetrics)]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names)
+        writer.writeheader()
+        for result in results:
+            for row in result.rows:
+                writer.writerow({"mode": result.config.mode, **asdict(row)})
+
+
+def _moving_mean(values: Sequence[float], k: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= k:
+            acc -= values[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
+    """PNG of reward and peak step memory per step, one line per run.
+
+    Returns False, writing nothing, when matplotlib is not installed (the caller prints a
+    note: ``pip install 'logitless[bench]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for result in results:
+        steps = [r.step for r in result.rows]
+        rewards = [r.reward for r in result.rows]
+        raw = ax_r.plot(steps, rewards, alpha=0.25, linewidth=0.8)[0]
+        ax_r.plot(
+            steps,
+            _moving_mean(rewards, 10),
+            color=raw.get_color(),
+            label=f"{result.config.mode} (10-step mean)",
+        )
+        ax_m.plot(steps, [r.peak_mem_mb for r in result.rows], label=result.config.mode)
+    c = results[0].config if results else DemoConfig()
+    ax_r.set(
+        xlabel="GRPO step",
+        ylabel="mean reward",
+        ylim=(0, 1.02),
+        title=f"echo task, V={c.vocab}, {c.prompts} prompts x {c.group} samples",
+    )
+    ax_m.set(xlabel="GRPO step", ylabel="MB", title=f"peak extra memory of each step ({c.device})")
+    ax_m.set_ylim(bottom=0)
+    for ax in (ax_r, ax_m):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
