@@ -200,7 +200,9 @@ def _leaf(t, requires_grad, dtype=None):
     if t is None:
         return None
     if dtype is None:  # an independent copy with the same strides, gaps included
-        t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t.detach())
+        src = t.detach()
+        t = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=src.device)
+        t.copy_(src)
     else:
         t = t.detach().to(dtype)
     return t.requires_grad_(requires_grad)
@@ -263,7 +265,11 @@ def run_case(fn, case: Case, inp: dict, *, as_float64: bool = False) -> dict:
 def test_matches_reference(case, request):
     if case.small_tiles:
         request.getfixturevalue("small_tiles")
-    inp = make_inputs(case)
+    check_against_reference(case, make_inputs(case))
+
+
+def check_against_reference(case: Case, inp: dict) -> None:
+    """Op vs reference vs float64 truth on ``inp`` (whatever device it is on)."""
     op = run_case(logitless.linear_logprobs, case, inp)
     ref = run_case(reference.linear_logprobs, case, inp)
     truth = run_case(None, case, inp, as_float64=True)

@@ -250,7 +250,7 @@ def _run_logprobs(kind, model, lay, labels, temperature, upstream, chunk_size=No
         logits = logits.double() if kind == "truth" else logits.float()
         lp, ent = _from_logits(logits, labels, temperature)
     g, e = upstream
-    ((lp * g.to(lp.dtype)).sum() + (ent * e.to(ent.dtype)).sum()).backward()
+    ((lp * g.to(lp)).sum() + (ent * e.to(ent)).sum()).backward()
     store.pop("handle").remove()
     return lp.detach(), ent.detach(), _grads(model), store["dh"]
 
@@ -452,13 +452,13 @@ def _loss_inputs(model, lay, labels, seed=0):
     valid = labels != IGNORE
 
     def near(x):
-        return torch.where(valid, x + 0.1 * torch.randn(labels.shape, generator=g), 0.0)
+        return torch.where(valid, x + 0.1 * torch.randn(labels.shape, generator=g).to(x), 0.0)
 
     return dict(
         old=near(base),
         ref=near(base),
         rollout=near(base),
-        adv=torch.randn(lay["num_seq"], generator=g),
+        adv=torch.randn(lay["num_seq"], generator=g).to(labels.device),
     )
 
 
