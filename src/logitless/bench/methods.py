@@ -140,8 +140,14 @@ def _cce_impl(work: Workload) -> str:
 
 
 def _cce_unavailable(work: Workload) -> str | None:
-    """CCE must be importable (it imports Triton on Linux)."""
-    return _missing("cut_cross_entropy", "cut-cross-entropy")
+    """CCE must be importable (it imports Triton on Linux); its GPU kernel's backward takes
+    bf16 / fp16 embeddings only (an fp32 run fails inside CCE with an AssertionError)."""
+    missing = _missing("cut_cross_entropy", "cut-cross-entropy")
+    if missing:
+        return missing
+    if _cce_impl(work) == "cce" and work.dtype == "float32":
+        return "CCE's GPU kernel has no float32 backward (use --dtype bfloat16)"
+    return None
 
 
 def _cce_note(work: Workload) -> str:
