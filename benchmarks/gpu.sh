@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU checks in one go (what the README's "GPU" section reports): the CUDA tests, the head and
+# loss benchmarks against naive / floors / Liger / CCE, the demo with and without logitless,
+# and the whole CPU suite on that machine's torch. Each stage has its own time limit, and a
+# failing stage does not stop the next.
+#
+#   bash benchmarks/gpu.sh [OUTDIR]          (default: gpu-results/)
+#   STAGES='cuda-tests demo' bash benchmarks/gpu.sh    (only those stages)
+#
+# Needs a CUDA torch with transformers and matplotlib; Liger-Kernel / CCE are used if importable.
+# Logitless is taken from src/ (no install), so the script runs on a machine without PyPI.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-results}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log="$out/gpu.log"
+
+stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log it, keep going on failure
+    local name=$1 limit=$2
+    shift 2
+    if [[ -n ${STAGES:-} && " $STAGES " != *" $name "* ]]; then return; fi
+    echo "=== $name: $*" | tee -a "$log"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$log"
+}
+
+: >"$log"
+stage versions 60 python3 -c "
+import torch, transformers, importlib.util as u
+print('torch', torch.__version__, '| transformers', transformers.__version__,
+      '| device', torch.cuda.get_device_name(), '| liger', bool(u.find_spec('liger_kernel')),
+      '| cce', bool(u.find_spec('cut_cross_entropy')))"
+
+stage cuda-tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py \
+    tests/test_packing.py::test_cuda_matches_cpu
+
+# A Qwen2.5-7B-sized head in bf16, then the default fp32 shape (H=896), then the fused loss.
+bench=(python3 -m logitless bench --device cuda --repeats 10 --csv "$out/bench.csv")
+stage bench-bf16 300 "${bench[@]}" --dtype bfloat16 --hidden 3584 --vocab 152064 \
+    --tokens 4096 16384 32768 --plot "$out/bench_bf16.png"
+stage bench-fp32 200 "${bench[@]}" --tokens 8192
+stage bench-loss 200 "${bench[@]}" --task loss --dtype bfloat16 --hidden 3584 --vocab 152064 \
+    --tokens 16384
+
+stage demo 300 python3 -m logitless demo --device cuda --compare --plot "$out/demo.png" \
+    --csv "$out/demo.csv" --quiet
+
+stage cpu-suite 400 python3 -m pytest -q -p no:cacheprovider -x -n 8 -rs
