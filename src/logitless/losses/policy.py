@@ -416,6 +416,19 @@ def _extreme(x: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
+def _keep_mask(like, token_log, token_band, doc_log, seq_mode, seq_range, n_doc, seg):
+    """``[N]`` 0/1 weights: a token is kept when ``token_log`` ``[N]`` lies in ``token_band``
+    (if set) and its document's ``doc_log()`` ``[D]`` passes ``seq_mode`` within ``seq_range``
+    (if set; ``doc_log`` is only called then)."""
+    keep = torch.ones_like(like)
+    if token_band is not None:
+        keep = keep * token_band_mask(token_log, *token_band)
+    if seq_mode is not None:
+        lo, hi = seq_range
+        keep = keep * gather(sequence_keep(doc_log(), n_doc, seq_mode, lo, hi), seg)
+    return keep
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -589,15 +602,16 @@ def policy_loss(
     # band masks on the current ratio π_θ/π_old (prime-rl): masked tokens keep their place in
     # the denominators, like the mismatch masks below
     if config.ratio_token_mask is not None or config.ratio_seq_mask is not None:
-        keep_ratio = torch.ones_like(lp)  # [N]
-        if config.ratio_token_mask is not None:
-            keep_ratio = keep_ratio * token_band_mask(token_lr, *config.ratio_token_mask)
-        if config.ratio_seq_mask is not None:
-            lo, hi = config.ratio_seq_mask_range
-            keep_doc = sequence_keep(
-                per_doc(stats.log_ratio), n_doc, config.ratio_seq_mask, lo, hi
-            )  # [D]
-            keep_ratio = keep_ratio * gather(keep_doc, seg)
+        keep_ratio = _keep_mask(
+            lp,
+            token_lr,
+            config.ratio_token_mask,
+            lambda: per_doc(stats.log_ratio),
+            config.ratio_seq_mask,
+            config.ratio_seq_mask_range,
+            n_doc,
+            seg,
+        )  # [N]
         per_token = per_token * keep_ratio
         metrics["ratio_masked_frac"] = _wmean(1.0 - keep_ratio, mweights)
 
@@ -611,15 +625,16 @@ def policy_loss(
         elif config.mismatch_is == "sequence":
             total_rho = per_doc(stats.log_rho)  # [D]
             is_weight = gather(truncated_is_from_total(total_rho, config.mismatch_is_cap), seg)
-        keep = torch.ones_like(lp)  # [N]
-        if config.mismatch_token_mask is not None:
-            keep = keep * token_band_mask(log_rho, *config.mismatch_token_mask)
-        if config.mismatch_seq_mask is not None:
-            lo, hi = config.mismatch_seq_mask_range
-            keep_doc = sequence_keep(
-                per_doc(stats.log_rho), n_doc, config.mismatch_seq_mask, lo, hi
-            )  # [D]
-            keep = keep * gather(keep_doc, seg)
+        keep = _keep_mask(
+            lp,
+            log_rho,
+            config.mismatch_token_mask,
+            lambda: per_doc(stats.log_rho),
+            config.mismatch_seq_mask,
+            config.mismatch_seq_mask_range,
+            n_doc,
+            seg,
+        )  # [N]
         per_token = per_token * (is_weight * keep)
         metrics["mismatch_kl"] = _wmean(torch.expm1(log_rho) - log_rho, mweights)
         metrics["is_weight_mean"] = _wmean(is_weight, mweights)
