@@ -9,6 +9,7 @@ process, and so must the gradients: by hand, under real DDP (whose gradient aver
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 
@@ -75,6 +76,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         results = {"manual": _manual_results(rank), "ddp": _ddp_results(rank)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        # DDP's reducer sits in a reference cycle: free it (and the gloo work it holds) while
+        # the interpreter is alive, after both ranks are done, or it dies at exit with SIGABRT
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
