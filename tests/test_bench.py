@@ -148,3 +148,18 @@ def test_csv_with_other_columns_is_refused_before_running(
     assert exc.value.code == 2
     assert "different columns" in capsys.readouterr().err
     assert path.read_text() == "a,b,c\n1,2,3\n"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("cut_cross_entropy") is None, reason="cut-cross-entropy absent"
+)
+def test_cce_fp32_on_cuda_is_unavailable_not_failed() -> None:
+    """CCE's CUDA kernel has no fp32 backward: the bench lists it with a reason; its bf16 CUDA
+    path and its CPU path (any dtype) stay available."""
+    from logitless.bench.methods import get_method
+
+    cce = get_method("logprobs", "cce")
+    reason = cce.unavailable(_work(device="cuda", dtype="float32"))
+    assert reason is not None and "float32" in reason and "bfloat16" in reason
+    assert cce.unavailable(_work(device="cuda", dtype="bfloat16")) is None
+    assert cce.unavailable(_work(device="cpu", dtype="float32")) is None
