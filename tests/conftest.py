@@ -8,6 +8,7 @@ passes on CPU, where fresh pages happen to be zero. Filling every floating ``tor
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -50,3 +51,15 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", _nan_filling(torch.empty))
     monkeypatch.setattr(torch, "empty_like", _nan_filling(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", _nan_filling(torch.Tensor.new_empty))
+
+
+def _use_triton_interpreter() -> None:
+    """Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads
+    the variable when a kernel is defined, so it is set here, before any test imports
+    ``logitless.kernels.triton_head``. With a GPU the kernels compile, and tests/test_cuda.py
+    runs the same cases on it."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_use_triton_interpreter()

@@ -10,12 +10,16 @@ reason, where torch sees no CUDA device: CI has none, and these ran on a lent H1
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
 import math
+import warnings
 
 import pytest
 import test_fused_loss as tfl
 import test_head as th
 import test_hf as thf
+import test_triton as ttr
 import torch
 from _tolerance import assert_no_worse_than_reference
 
@@ -41,13 +45,30 @@ def to_dev(obj):
 @pytest.fixture
 def small_tiles_cuda(monkeypatch):
     """One row chunk spans several vocab blocks on the GPU too."""
-    from logitless import _chunked
+    from logitless.kernels import options as _chunked
 
     monkeypatch.setitem(_chunked._TILE_ELEMS, "cuda", 1024)
 
 
 # --------------------------------------------------------------------------------------------
 # linear_logprobs: every case of the CPU matrix
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton")),
+]
+
+
+@pytest.fixture
+def narrow_chunks_cuda(monkeypatch):
+    """The Triton backward refills its workspace many times (narrow vocabulary chunks)."""
+    from logitless.kernels import triton_head
+
+    monkeypatch.setattr(triton_head, "_WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(triton_head, "_MIN_VOCAB_CHUNK", 96)
+    monkeypatch.setattr(triton_head, "_CHUNK_ALIGN", 32)
 
 
 @pytest.mark.parametrize("case", th.CASES, ids=th._ids(th.CASES))
@@ -58,8 +79,75 @@ def test_head_cases_on_cuda(case, request):
     th.check_against_reference(case, inp)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", ttr.TRITON_CASES, ids=th._ids(ttr.TRITON_CASES))
+def test_triton_cases_on_cuda(case, request):
+    """The interpreter's cases (tests/test_triton.py), compiled for the GPU."""
+    if case.small_tiles:
+        request.getfixturevalue("narrow_chunks_cuda")
+    inp = to_dev(th.make_inputs(case))
+    th.check_against_reference(case, inp, ttr.triton_op)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_makes_one_host_sync():
+    """A forward + backward through the Triton backend synchronizes with the host once: the
+    checks read the valid-row count (and the label / temperature checks) in one transfer."""
+    N, H, V = 1000, 256, 50257
+    hidden = torch.randn(N, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(V, H, device=DEV) * 0.05).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (N,), device=DEV)
+    labels[::3] = -100
+    temp = torch.rand(N, device=DEV) + 0.5
+
+    def step():
+        out = ttr.triton_op(hidden, weight, labels, temperature=temp, with_entropy=True)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+
+    step()  # compile and autotune first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_peak_memory_is_gradients_plus_workspace():
+    """bf16, Qwen-sized vocabulary: extra memory = dW + dh + an fp32 dh accumulator + the
+    backward workspace (128 MiB) + small change, far under the [N, V] logits."""
+    from logitless.kernels import triton_head
+
+    N, H, V = 4096, 1024, 151936
+    hidden = torch.randn(N, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(V, H, device=DEV) * 0.02).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (N,), device=DEV)
+
+    def step():
+        out = ttr.triton_op(hidden, weight, labels, with_entropy=True)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+
+    step()
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = (N + V) * H * 2
+    bound = grads + N * H * 4 + triton_head._WORKSPACE_BYTES + (16 << 20)
+    assert extra <= bound, f"peak {extra / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_head_at_a_real_vocabulary_size(dtype):
+def test_head_at_a_real_vocabulary_size(dtype, backend):
     """A Llama-3-sized odd vocabulary (128257 = not a multiple of 64), thousands of rows, 30 %
     ignored, default chunking: several row chunks, the partial last vocab block, and logits
     large enough (std ~3) that the softmax is peaked."""
@@ -87,7 +175,7 @@ def test_head_at_a_real_vocabulary_size(dtype):
         ((lp * up[0].to(lp)).sum() + (ent * up[1].to(ent)).sum()).backward()
         return lp.detach(), ent.detach(), h.grad, w.grad
 
-    op = run(logitless.linear_logprobs)
+    op = run(functools.partial(logitless.linear_logprobs, backend=backend))
     ref = run(reference.linear_logprobs)
     truth = run(None, torch.float64)
     names = ("logprobs", "entropy", "grad_hidden", "grad_weight")
@@ -97,7 +185,7 @@ def test_head_at_a_real_vocabulary_size(dtype):
 
 
 def test_peak_memory_is_a_tile_not_the_logits():
-    """The op's extra memory is bounded by its tiles, far under the naive [N, V] logits."""
+    """The torch tiles' extra memory is bounded by its tiles, far under the naive logits."""
     N, H, V = 4096, 512, 151936
     hidden = torch.randn(N, H, device=DEV, requires_grad=True)
     weight = (torch.randn(V, H, device=DEV) * 0.02).requires_grad_()
@@ -113,8 +201,9 @@ def test_peak_memory_is_a_tile_not_the_logits():
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    peak(logitless.linear_logprobs)  # warm-up: cuBLAS workspaces are not the op's memory
-    ours, naive = peak(logitless.linear_logprobs), peak(reference.linear_logprobs)
+    op = functools.partial(logitless.linear_logprobs, backend="torch")
+    peak(op)  # warm-up: cuBLAS workspaces are not the op's memory
+    ours, naive = peak(op), peak(reference.linear_logprobs)
     logits_bytes = N * V * 4
     grads_bytes = (N + V) * H * 4
     assert naive > logits_bytes, f"naive peak {naive} should hold the fp32 logits"
@@ -128,21 +217,26 @@ def test_peak_memory_is_a_tile_not_the_logits():
 # fused_policy_loss: every config of the CPU matrix, fp32 packed and rows, and bf16
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("name", list(tfl.CONFIGS))
-def test_fused_loss_on_cuda(name, packed):
+def test_fused_loss_on_cuda(name, packed, backend):
     cfg = tfl.CONFIGS[name]
     p = to_dev(tfl._problem(packed, torch.float32))
-    runs = [tfl._run(k, p, cfg, chunk_size=5, scale=2.5) for k in ("fused", "naive", "truth")]
+    runs = [
+        tfl._run(k, p, cfg, chunk_size=5, scale=2.5, backend=backend)
+        for k in ("fused", "naive", "truth")
+    ]
     assert runs[0][2].device.type == "cuda"
     tfl._compare(*runs, int((p["labels"] != -100).sum()))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["dapo", "gspo", "token_sum_kl_k3_entropy", "cispo"])
-def test_fused_loss_bf16_on_cuda(name):
+def test_fused_loss_bf16_on_cuda(name, backend):
     cfg = tfl.CONFIGS[name]
     p = to_dev(tfl._problem(False, torch.bfloat16, seed=2))
-    runs = [tfl._run(k, p, cfg, chunk_size=4) for k in ("fused", "naive", "truth")]
+    runs = [tfl._run(k, p, cfg, chunk_size=4, backend=backend) for k in ("fused", "naive", "truth")]
     tfl._compare(*runs, int((p["labels"] != -100).sum()))
 
 

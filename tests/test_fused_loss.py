@@ -125,7 +125,7 @@ def _loss_kwargs(p, cfg):
     )
 
 
-def _run(kind, p, cfg, *, chunk_size=None, scale=1.0, temperature=1.0):
+def _run(kind, p, cfg, *, chunk_size=None, scale=1.0, temperature=1.0, backend="auto"):
     """loss, metrics and grads of hidden / weight / bias for one implementation."""
     dtype = torch.float64 if kind == "truth" else p["hidden"].dtype
     h = p["hidden"].to(dtype).clone().requires_grad_()
@@ -144,6 +144,7 @@ def _run(kind, p, cfg, *, chunk_size=None, scale=1.0, temperature=1.0):
             bias=b,
             temperature=temperature,
             chunk_size=chunk_size,
+            backend=backend,
             **kw,
         )
     else:
@@ -348,13 +349,13 @@ def test_bad_input_raises_value_error(change, match):
 def test_bad_loss_input_raises_before_any_head_work(monkeypatch, change, match):
     """A packed [N] batch without document_ids, wrong advantages, a missing ref: ValueError
     from the loss's checks before the head kernels run."""
-    import logitless.fused_loss as fl
+    from logitless.kernels import tiles
 
     def no_head_work(*args, **kwargs):
         raise AssertionError("the head kernel ran before the loss inputs were validated")
 
-    monkeypatch.setattr(fl, "fused_rows", no_head_work)
-    monkeypatch.setattr(fl, "forward_rows", no_head_work)
+    monkeypatch.setattr(tiles, "fused_rows", no_head_work)
+    monkeypatch.setattr(tiles, "forward_rows", no_head_work)
     p = _problem(True, torch.float32)
     kw = dict(config=CONFIGS["grpo"], document_ids=p["doc"], advantages=p["adv"])
     kw.update(change)

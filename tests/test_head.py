@@ -155,7 +155,7 @@ def _ids(cases):
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Shrink the op's per-tile element budget so one row chunk spans several vocab blocks."""
-    from logitless import _chunked
+    from logitless.kernels import options as _chunked
 
     monkeypatch.setattr(_chunked, "_TILE_ELEMS", {"cpu": 1024}, raising=True)
 
@@ -268,9 +268,10 @@ def test_matches_reference(case, request):
     check_against_reference(case, make_inputs(case))
 
 
-def check_against_reference(case: Case, inp: dict) -> None:
-    """Op vs reference vs float64 truth on ``inp`` (whatever device it is on)."""
-    op = run_case(logitless.linear_logprobs, case, inp)
+def check_against_reference(case: Case, inp: dict, op_fn=logitless.linear_logprobs) -> None:
+    """Op vs reference vs float64 truth on ``inp`` (whatever device it is on); ``op_fn`` is
+    the op under test (e.g. ``linear_logprobs`` with a given ``backend``)."""
+    op = run_case(op_fn, case, inp)
     ref = run_case(reference.linear_logprobs, case, inp)
     truth = run_case(None, case, inp, as_float64=True)
 
@@ -405,7 +406,7 @@ def test_chunk_size_changes_nothing_beyond_rounding(softcap):
 
 
 def test_vocab_blocking_changes_nothing_beyond_rounding(monkeypatch):
-    from logitless import _chunked
+    from logitless.kernels import options as _chunked
 
     case = Case(bias=True, temperature="tensor", softcap=3.0, chunk=7)
     inp = make_inputs(case)

@@ -1,8 +1,9 @@
 """Input checks shared by the fused head op and the reference.
 
 Every check runs before any FLOP and raises ``ValueError`` naming the argument, what was
-expected and what was given. Checks on tensor *values* (label range, temperature sign) need
-one host sync; that is the price of never returning a silently wrong number.
+expected and what was given. Checks on tensor *values* (label range, temperature sign) are
+read on the host together with the number of valid rows: one host sync per call, the price of
+never returning a silently wrong number (the kernels need that row count anyway).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ class HeadArgs:
     """Normalized arguments of a head call, flattened to rows.
 
     hidden: [N, H]; labels: [N] int64; temperature: float or [N] fp32 tensor;
-    batch_shape: the leading shape of the caller's ``hidden`` (``labels.shape``).
+    batch_shape: the leading shape of the caller's ``hidden`` (``labels.shape``); num_valid:
+    how many labels are not ``ignore_index``.
     """
 
     hidden: torch.Tensor
@@ -31,6 +33,7 @@ class HeadArgs:
     softcap: float | None
     head_dtype: torch.dtype
     batch_shape: torch.Size
+    num_valid: int  # rows whose label is not ignore_index
 
 
 def _fmt_shape(t: torch.Tensor) -> str:
@@ -172,17 +175,11 @@ def check_head_args(
         softcap = _positive_finite_float("softcap", softcap)
 
     flat_labels = labels.reshape(-1)
-    if flat_labels.numel() > 0:
-        bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= label_vocab))
-        n_bad = int(bad.sum())
-        if n_bad:
-            first = flat_labels[bad][0].item()
-            where = " (the global vocabulary of vocab_parallel)" if vocab_parallel else ""
-            raise ValueError(
-                f"labels must be in [0, {label_vocab}){where} or equal "
-                f"ignore_index={ignore_index}; {n_bad} label(s) are not, e.g. {first}"
-            )
+    valid = flat_labels != ignore_index
+    bad = valid & ((flat_labels < 0) | (flat_labels >= label_vocab))
 
+    temp: float | torch.Tensor
+    bad_temp = None
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise ValueError(f"temperature tensor must be floating, got dtype {temperature.dtype}")
@@ -193,17 +190,28 @@ def check_head_args(
             )
         try:
             torch.broadcast_shapes(temperature.shape, labels.shape)
-            flat_t = temperature.float().expand(labels.shape).reshape(-1)
+            temp = temperature.float().expand(labels.shape).reshape(-1)
         except RuntimeError:
             raise ValueError(
                 f"temperature of shape {_fmt_shape(temperature)} is not broadcastable to "
                 f"labels' shape {list(labels.shape)}"
             ) from None
-        if flat_t.numel() and not bool(torch.isfinite(flat_t).all() & (flat_t > 0).all()):
-            raise ValueError("temperature must be finite and > 0 everywhere")
-        temp: float | torch.Tensor = flat_t
+        bad_temp = (~(torch.isfinite(temp) & (temp > 0))).sum()
     else:
         temp = _positive_finite_float("temperature", temperature)
+
+    # The one host sync of a call: valid-row count, out-of-range labels, bad temperatures.
+    counts = [valid.sum(), bad.sum()] + ([] if bad_temp is None else [bad_temp])
+    num_valid, n_bad, *rest = torch.stack(counts).tolist() if flat_labels.numel() else [0, 0]
+    if n_bad:
+        first = flat_labels[bad][0].item()
+        where = " (the global vocabulary of vocab_parallel)" if vocab_parallel else ""
+        raise ValueError(
+            f"labels must be in [0, {label_vocab}){where} or equal "
+            f"ignore_index={ignore_index}; {n_bad} label(s) are not, e.g. {first}"
+        )
+    if rest and rest[0]:
+        raise ValueError("temperature must be finite and > 0 everywhere")
 
     return HeadArgs(
         hidden=hidden.reshape(-1, dim),
@@ -214,6 +222,7 @@ def check_head_args(
         softcap=softcap,
         head_dtype=head_dtype if head_dtype is not None else hidden.dtype,
         batch_shape=labels.shape,
+        num_valid=int(num_valid),
     )
 
 

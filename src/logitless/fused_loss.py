@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._chunked import Schedule, forward_rows, fused_rows
 from ._validate import check_chunk_size, check_head_call
 from .distributed import VocabParallel
-from .head import Rows, head_options, kernel_labels, select_rows
+from .kernels import Backend, Rows, backend_module, head_options, kernel_labels, select_rows
 from .losses import DocumentStats, LossNormalizer, PolicyLossConfig, document_stats, policy_loss
 
 
@@ -56,6 +55,7 @@ def fused_policy_loss(
     normalizer: LossNormalizer | None = None,
     vocab_parallel: VocabParallel | None = None,
     context_group: object | None = None,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -85,9 +85,12 @@ def fused_policy_loss(
             count (prompt, padding): they are the loss mask.
         old_logprobs, advantages, document_ids, ref_logprobs, rollout_logprobs, normalizer,
             config: as in :func:`logitless.policy_loss`.
-        temperature, softcap, head_dtype, chunk_size: as in :func:`logitless.linear_logprobs`;
-            here ``chunk_size`` is the rows whose ``[rows, V]`` logits are held at once (None:
-            a 256 MiB fp32 budget on CPU, 1 GiB on accelerators).
+        temperature, softcap, head_dtype, chunk_size, backend: as in
+            :func:`logitless.linear_logprobs`; with the torch tiles ``chunk_size`` is the rows
+            whose ``[rows, V]`` logits are held at once (None: a 256 MiB fp32 budget on CPU,
+            1 GiB on accelerators). The Triton backend computes the statistics of every row
+            first (no logits kept), then the loss gradient, then the head gradients through
+            a bounded workspace: four head matmuls instead of three, in far less memory.
         vocab_parallel: as in :func:`logitless.linear_logprobs`: ``weight``/``bias`` are this
             rank's vocabulary shard, every rank computes the same loss from the combined
             log-probs, its weight shard gets its gradient and the hidden gradient is summed
@@ -174,10 +177,7 @@ def fused_policy_loss(
         loss_of(placeholder, placeholder_ent, group=context_group)
 
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
-    num_rows, vp = rows.labels.numel(), vocab_parallel
-    # Under vocab parallelism the row chunks of the fused pass must match on every rank (each
-    # chunk is a collective): size them by the largest shard, not this rank's.
-    vocab = weight.shape[0] if vp is None else vp.max_shard
+    vp = vocab_parallel
     # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
     kernel_inputs = (
         rows.hidden.detach(),
@@ -187,12 +187,21 @@ def fused_policy_loss(
         rows.temperature,
     )
 
+    def options(fused: bool):
+        return head_options(
+            args,
+            rows,
+            with_entropy,
+            chunk_size=chunk_size,
+            backend=backend,
+            vocab_parallel=vp,
+            fused=fused,
+        )
+
     def no_grad_pass() -> tuple[torch.Tensor, torch.Tensor | None]:
-        schedule = Schedule.choose(num_rows, vocab, weight.device, chunk_size)
+        opts = options(fused=False)
         with torch.no_grad():
-            logp, _, ent, _ = forward_rows(
-                *kernel_inputs, head_options(args, rows, with_entropy, schedule, vp)
-            )
+            logp, _, ent, _ = backend_module(opts).forward_rows(*kernel_inputs, opts)
         return logp, ent
 
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
@@ -229,15 +238,13 @@ def fused_policy_loss(
         def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
             return g_all[r0:r1], None if e_all is None else e_all[r0:r1]
 
-    schedule = Schedule.choose_fused(num_rows, vocab, weight.device, chunk_size)
     needs = (
         rows.hidden.requires_grad,
         weight.requires_grad,
         bias is not None and bias.requires_grad,
     )
-    logp, ent, grads = fused_rows(
-        *kernel_inputs, head_options(args, rows, with_entropy, schedule, vp), grad_fn, needs
-    )
+    opts = options(fused=True)
+    logp, ent, grads = backend_module(opts).fused_rows(*kernel_inputs, opts, grad_fn, needs)
     with torch.no_grad():
         loss, metrics = loss_of(logp, ent, stats, context_group)
     loss = _StoredGradients.apply(loss, _GradStore(grads), rows.hidden, weight, bias)

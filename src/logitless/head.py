@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
-from ._chunked import HeadOptions, LinearLogprobsFunction, Schedule, forward_rows
-from ._validate import HeadArgs, check_chunk_size, check_flag, check_head_call
+from ._validate import check_chunk_size, check_flag, check_head_call
 from .distributed import VocabParallel
+from .kernels import (
+    Backend,
+    LinearLogprobsFunction,
+    backend_module,
+    head_options,
+    kernel_labels,
+    select_rows,
+)
 from .types import LogProbs
 
 
@@ -26,6 +31,7 @@ def linear_logprobs(
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     vocab_parallel: VocabParallel | None = None,
+    backend: Backend = "auto",
 ) -> LogProbs:
     """Log-probability of each label (and the entropy of each row) straight from hidden states.
 
@@ -61,6 +67,11 @@ def linear_logprobs(
             tensor-parallel group: ``weight``/``bias`` are then this rank's rows of the
             vocabulary, labels stay global ids, and every rank gets the same outputs (a
             collective call; see :mod:`logitless.distributed`).
+        backend: which kernels run the call: ``"torch"`` (bounded fp32 tiles and torch
+            matmuls; any device), ``"triton"`` (Triton kernels that keep the logits in
+            registers; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for
+            16-bit heads on CUDA when it is installed, the torch tiles otherwise). Both meet
+            the same numerical contract.
 
     Returns:
         :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape``; entropy is
@@ -99,8 +110,9 @@ def linear_logprobs(
         args,
         rows,
         with_entropy,
-        Schedule.choose(rows.labels.numel(), weight.shape[0], weight.device, chunk_size),
-        vocab_parallel,
+        chunk_size=chunk_size,
+        backend=backend,
+        vocab_parallel=vocab_parallel,
     )
     labels_k = kernel_labels(rows, vocab_parallel)
     tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
@@ -110,74 +122,10 @@ def linear_logprobs(
         )
         logp, ent = out if with_entropy else (out, None)
     else:
-        logp, _, ent, _ = forward_rows(rows.hidden, weight, bias, labels_k, rows.temperature, opts)
+        logp, _, ent, _ = backend_module(opts).forward_rows(
+            rows.hidden, weight, bias, labels_k, rows.temperature, opts
+        )
     return LogProbs(rows.scatter(logp), None if ent is None else rows.scatter(ent))
-
-
-def kernel_labels(rows: Rows, vocab_parallel: VocabParallel | None) -> torch.Tensor:
-    """[M] labels as the kernels index the local weight: shard-local under vocab parallelism
-    (out of ``[0, V_local)`` for labels another rank owns; the kernels mask those)."""
-    if vocab_parallel is None or vocab_parallel.vocab_start == 0:
-        return rows.labels
-    return rows.labels - vocab_parallel.vocab_start
-
-
-class Rows(NamedTuple):
-    """The valid rows of a head call (label != ignore_index), ready for the kernels.
-
-    hidden: [M, H] (a differentiable gather of the caller's rows); labels: [M] int64;
-    temperature: [M] fp32 or None (scalar temperature); index: [M] row ids into the flattened
-    batch, or None when every row is valid; num_tokens / batch_shape: the caller's layout.
-    """
-
-    hidden: torch.Tensor
-    labels: torch.Tensor
-    temperature: torch.Tensor | None
-    index: torch.Tensor | None
-    num_tokens: int
-    batch_shape: torch.Size
-
-    def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """A per-token tensor of the caller's ``labels.shape`` -> its [M] valid rows."""
-        flat = values.reshape(-1)
-        return flat if self.index is None else flat.index_select(0, self.index)
-
-    def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """[M] per-row values -> the caller's ``labels.shape``, 0.0 at ignored rows."""
-        if self.index is not None:
-            values = values.new_zeros(self.num_tokens).index_copy(0, self.index, values)
-        return values.reshape(self.batch_shape)
-
-
-def select_rows(args: HeadArgs, ignore_index: int) -> Rows:
-    """Drop ignored rows before any FLOP (one host sync; no copy when every row is valid)."""
-    valid = args.labels != ignore_index
-    idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
-    hidden, labels = args.hidden, args.labels
-    temp = args.temperature if isinstance(args.temperature, torch.Tensor) else None
-    if idx is not None:
-        hidden = hidden.index_select(0, idx)
-        labels = labels.index_select(0, idx)
-        temp = None if temp is None else temp.index_select(0, idx)
-    return Rows(hidden, labels, temp, idx, args.labels.numel(), args.batch_shape)
-
-
-def head_options(
-    args: HeadArgs,
-    rows: Rows,
-    with_entropy: bool,
-    schedule: Schedule,
-    vocab_parallel: VocabParallel | None = None,
-) -> HeadOptions:
-    """Kernel options of a validated call."""
-    return HeadOptions(
-        softcap=args.softcap,
-        temperature=None if rows.temperature is not None else float(args.temperature),
-        with_entropy=with_entropy,
-        head_dtype=args.head_dtype,
-        schedule=schedule,
-        vocab_parallel=vocab_parallel,
-    )
 
 
 class LinearLogprobs(nn.Module):
@@ -197,6 +145,7 @@ class LinearLogprobs(nn.Module):
         chunk_size: int | None = None,
         head_dtype: torch.dtype | None = None,
         vocab_parallel: VocabParallel | None = None,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         self.temperature = temperature
@@ -206,6 +155,7 @@ class LinearLogprobs(nn.Module):
         self.chunk_size = chunk_size
         self.head_dtype = head_dtype
         self.vocab_parallel = vocab_parallel
+        self.backend = backend
 
     def forward(
         self,
@@ -228,12 +178,13 @@ class LinearLogprobs(nn.Module):
             chunk_size=self.chunk_size,
             head_dtype=self.head_dtype,
             vocab_parallel=self.vocab_parallel,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:
         return (
             f"temperature={self.temperature}, softcap={self.softcap}, "
             f"with_entropy={self.with_entropy}, chunk_size={self.chunk_size}, "
-            f"head_dtype={self.head_dtype}"
+            f"head_dtype={self.head_dtype}, backend={self.backend!r}"
             + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
         )

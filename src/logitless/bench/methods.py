@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .workload import IGNORE_INDEX, Inputs, Workload
+from .workload import DTYPES, IGNORE_INDEX, Inputs, Workload
 
 Step = Callable[[], None]
 
@@ -61,15 +61,39 @@ def _build_naive(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
-def _build_logitless(work: Workload, inputs: Inputs) -> Step:
-    """The fused op: ``logitless.linear_logprobs`` + backward."""
-    from logitless import linear_logprobs
+def _build_logitless(backend: str) -> Callable[[Workload, Inputs], Step]:
+    """The fused op: ``logitless.linear_logprobs(..., backend=backend)`` + backward."""
 
-    def step() -> None:
-        out = linear_logprobs(inputs.hidden, inputs.weight, inputs.labels, with_entropy=True)
-        _backward(inputs, out.logprobs, out.entropy)
+    def build(work: Workload, inputs: Inputs) -> Step:
+        from logitless import linear_logprobs
 
-    return step
+        def step() -> None:
+            out = linear_logprobs(
+                inputs.hidden, inputs.weight, inputs.labels, with_entropy=True, backend=backend
+            )
+            _backward(inputs, out.logprobs, out.entropy)
+
+        return step
+
+    return build
+
+
+def _resolved_backend(work: Workload) -> str:
+    """The backend ``backend="auto"`` runs for this workload."""
+    from logitless.kernels import resolve_backend
+
+    return resolve_backend("auto", torch.device(work.device), DTYPES[work.dtype])
+
+
+def _same_as_auto(work: Workload) -> str | None:
+    """The explicit torch-tiles method is only worth a row where ``auto`` picks Triton."""
+    if _resolved_backend(work) == "torch":
+        return "backend='auto' already runs the torch tiles here (see the logitless row)"
+    return None
+
+
+def _backend_note(work: Workload) -> str:
+    return f"backend=auto -> {_resolved_backend(work)}"
 
 
 def _build_floor(num_matmuls: int) -> Callable[[Workload, Inputs], Step]:
@@ -259,8 +283,10 @@ def _build_loss_composed(head: str) -> Callable[[Workload, Inputs], Step]:
     return build
 
 
-def _build_loss_fused(config: Callable) -> Callable[[Workload, Inputs], Step]:
-    """``logitless.fused_policy_loss`` + backward."""
+def _build_loss_fused(
+    config: Callable, backend: str = "auto"
+) -> Callable[[Workload, Inputs], Step]:
+    """``logitless.fused_policy_loss(..., backend=backend)`` + backward."""
 
     def build(work: Workload, inputs: Inputs) -> Step:
         from logitless import fused_policy_loss
@@ -276,12 +302,25 @@ def _build_loss_fused(config: Callable) -> Callable[[Workload, Inputs], Step]:
                 rl.advantages,
                 config=cfg,
                 document_ids=rl.document_ids,
+                backend=backend,
             )
             loss.backward()
 
         return step
 
     return build
+
+
+def _fused_note(name: str, work: Workload, backend: str = "auto") -> str:
+    """How many head matmuls the fused loss runs on this workload's backend."""
+    resolved = _resolved_backend(work) if backend == "auto" else backend
+    if resolved == "triton":
+        how = "statistics pass, loss gradient, gradient pass: 4 matmuls"
+    elif name == "GSPO":
+        how = "no-grad pass + gradient pass"
+    else:
+        how = "3 matmuls"
+    return f"fused_policy_loss ({name}), {resolved}: {how}"
 
 
 def _liger_loss_unavailable(work: Workload) -> str | None:
@@ -314,7 +353,14 @@ TASKS: dict[str, dict[str, Method]] = {
         m.name: m
         for m in (
             Method("naive", "baseline", _build_naive),
-            Method("logitless", "op", _build_logitless),
+            Method("logitless", "op", _build_logitless("auto"), note=_backend_note),
+            Method(
+                "logitless_torch",
+                "op",
+                _build_logitless("torch"),
+                unavailable=_same_as_auto,
+                note=lambda w: "backend=torch (the tiles)",
+            ),
             Method("floor3", "floor", _build_floor(3), note=lambda w: "3 bare matmuls"),
             Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
             Method(
@@ -346,13 +392,20 @@ TASKS: dict[str, dict[str, Method]] = {
                 "fused",
                 "op",
                 _build_loss_fused(_dapo_config),
-                note=lambda w: "fused_policy_loss (DAPO): 3 matmuls",
+                note=lambda w: _fused_note("DAPO", w),
+            ),
+            Method(
+                "fused_torch",
+                "op",
+                _build_loss_fused(_dapo_config, "torch"),
+                unavailable=_same_as_auto,
+                note=lambda w: _fused_note("DAPO", w, "torch"),
             ),
             Method(
                 "fused_gspo",
                 "op",
                 _build_loss_fused(_gspo_config),
-                note=lambda w: "fused_policy_loss (GSPO): no-grad pass + gradient pass",
+                note=lambda w: _fused_note("GSPO", w),
             ),
             Method("floor3", "floor", _build_floor(3), note=lambda w: "3 bare matmuls"),
             Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),

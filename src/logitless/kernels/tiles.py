@@ -1,4 +1,4 @@
-"""The tiled LM-head log-prob / entropy kernel and its recompute backward.
+"""The torch backend: the tiled LM-head log-prob / entropy kernel and its recompute backward.
 
 Work is split into tiles of ``[row_chunk, vocab_block]`` logits. The forward pass keeps, per
 row, a running max ``m``, ``s = Σ exp(z - m)`` and ``q = Σ exp(z - m)·(z - m)`` across vocab
@@ -14,88 +14,18 @@ it into the logit gradient in place:
 where the label term is a scatter-add of ``[rows]`` values into the tile (no one-hot). Tiles are
 sized to stay cache-resident on CPU, so the elementwise passes cost a fraction of the matmuls.
 
-Everything here works on *valid* rows only: ``head.py`` drops ignored rows before calling in.
+This is the CPU path and the fallback on any device. Everything here works on *valid* rows
+only: :func:`logitless.kernels.rows.select_rows` drops ignored rows before calling in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .distributed import VocabParallel
-
-# Elements of one fp32 logits tile. CPU: ~8 MiB, so the elementwise passes run out of L2/L3
-# instead of DRAM (measured: 2.3 s vs 3.2 s for a 2048 x 151936 x 512 forward with 134 MB
-# tiles). CUDA: larger tiles amortize kernel launches; the tile is still bounded, never [N, V].
-_TILE_ELEMS = {"cpu": 1 << 21}
-_TILE_ELEMS_DEFAULT = 1 << 26
-_MAX_ROWS = {"cpu": 2048}
-_MAX_ROWS_DEFAULT = 8192
-_MIN_VOCAB_BLOCK = 256
-_BLOCK_ALIGN = 64
-# Elements of the [rows, V] fp32 buffer of the gradient-in-forward (fused) path: 256 MiB on CPU
-# (the weight gradient of a 150k x 512 head is another 300 MiB), 1 GiB on accelerators.
-_CHUNK_ELEMS = {"cpu": 64 << 20}
-_CHUNK_ELEMS_DEFAULT = 1 << 28
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How the ``[M, V]`` logits are cut into tiles of ``[rows, vocab_block]``."""
-
-    rows: int
-    vocab_block: int
-
-    @staticmethod
-    def choose(num_rows: int, vocab: int, device: torch.device, chunk_size: int | None) -> Schedule:
-        tile = _TILE_ELEMS.get(device.type, _TILE_ELEMS_DEFAULT)
-        if chunk_size is None:
-            rows = max(1, min(num_rows, _MAX_ROWS.get(device.type, _MAX_ROWS_DEFAULT)))
-        else:
-            rows = chunk_size
-        # A multiple of 64 columns keeps every tile row 256-byte aligned: an odd width (e.g.
-        # 4755 for 441 rows) measured ~10% slower in the projection matmuls on CPU.
-        block = min(vocab, max(_MIN_VOCAB_BLOCK, tile // rows // _BLOCK_ALIGN * _BLOCK_ALIGN))
-        return Schedule(rows=rows, vocab_block=max(1, block))
-
-    @staticmethod
-    def choose_fused(
-        num_rows: int, vocab: int, device: torch.device, chunk_size: int | None
-    ) -> Schedule:
-        """Schedule for the gradient-in-forward path, whose row chunk keeps all V logits."""
-        if chunk_size is None:
-            budget = _CHUNK_ELEMS.get(device.type, _CHUNK_ELEMS_DEFAULT)
-            chunk_size = max(1, min(num_rows, budget // vocab))
-        return Schedule.choose(num_rows, vocab, device, chunk_size)
-
-    def row_chunks(self, num_rows: int) -> list[tuple[int, int]]:
-        """[(start, stop)] of the row chunks."""
-        return [(r, min(r + self.rows, num_rows)) for r in range(0, num_rows, self.rows)]
-
-    def vocab_blocks(self, vocab: int) -> list[tuple[int, int]]:
-        """[(start, stop)] of the vocab blocks."""
-        step = self.vocab_block
-        return [(v, min(v + step, vocab)) for v in range(0, vocab, step)]
-
-    def num_tiles(self, num_rows: int, vocab: int) -> int:
-        return -(-num_rows // self.rows) * -(-vocab // self.vocab_block)
-
-
-@dataclass(frozen=True)
-class HeadOptions:
-    """Non-tensor options of one head call (kept out of the autograd signature)."""
-
-    softcap: float | None
-    temperature: float | None  # scalar temperature; None when a per-row tensor is passed
-    with_entropy: bool
-    head_dtype: torch.dtype
-    schedule: Schedule
-    # This rank's vocabulary shard; labels given to the kernels are then shard-local
-    # (global id - vocab_start), out of [0, V_local) when another rank owns them.
-    vocab_parallel: VocabParallel | None = None
+from ..distributed import VocabParallel
+from .options import HeadOptions, finish_stats
 
 
 def _project(
@@ -194,13 +124,7 @@ class _OnlineStats:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """logp [R], lse [R], entropy [R] or None; over the whole vocabulary when ``vp`` is
         given (the shards' statistics are combined across its group: a collective call)."""
-        m, s, q, zy = self.m, self.s, self.q, self.zy
-        if vp is not None:
-            m, s, q, zy = vp.combine(m, s, q, zy)
-        log_s = s.log()
-        lse = m + log_s
-        ent = log_s - q / s if self.with_entropy else None
-        return zy - lse, lse, ent
+        return finish_stats(self.m, self.s, self.q, self.zy, vp)
 
 
 def forward_rows(
@@ -490,47 +414,3 @@ def fused_rows(
                 dz = _tile_to_dz(tile(v0, v1), lse_c, rg, y, v0, opts)
             acc.add(dz, h, w, r0, v0)
     return logp, ent, acc.result(opts.vocab_parallel)
-
-
-class LinearLogprobsFunction(torch.autograd.Function):
-    """Autograd wrapper: tensors positionally, every other option in one frozen dataclass."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temp, opts: HeadOptions):
-        keep = any(ctx.needs_input_grad[:3])
-        logp, lse, ent, kept = forward_rows(hidden, weight, bias, labels, temp, opts, keep)
-        ctx.opts = opts
-        ctx.kept = kept
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, labels, temp, lse, ent)
-        if ent is None:
-            return logp
-        return logp, ent
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_logp, grad_ent=None):
-        # First-order only: the tile kernel works in place outside autograd, so a second
-        # differentiation (create_graph=True) must refuse instead of returning a wrong number.
-        hidden, weight, bias, labels, temp, lse, ent = ctx.saved_tensors
-        # The kept tile is overwritten by backward: use it once, recompute on a second call
-        # (retain_graph=True).
-        kept, ctx.kept = ctx.kept, None
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-        if grad_logp is None and grad_ent is None:
-            return None, None, None, None, None, None
-        gh, gw, gb = backward_rows(
-            hidden,
-            weight,
-            bias,
-            labels,
-            temp,
-            lse,
-            ent,
-            grad_logp,
-            grad_ent,
-            ctx.opts,
-            needs,
-            kept,
-        )
-        return gh, gw, gb, None, None, None

@@ -1,0 +1,674 @@
+"""The Triton backend: log-probs and entropy with the logits kept in registers.
+
+Forward (:func:`forward_rows`). One kernel, ``_stats_kernel``, tiles ``[M, V]`` into
+``[BLOCK_M, BLOCK_N]`` blocks of ``h·Wᵀ`` (``tl.dot``, fp32 accumulation). Each program owns
+one row block and one *vocabulary split* (a run of consecutive vocab blocks); the epilogue
+applies bias, softcap and temperature to the fp32 tile in registers, masks the vocabulary tail
+and folds the tile into the row's online statistics
+
+    m = max z        s = Σ exp(z - m)        q = Σ exp(z - m)·(z - m)        z_y (label logit)
+
+which it writes once per (split, row): ``[4, splits, M]`` fp32, a few MB. The splits are merged
+in torch (:func:`_merge_splits`, the same algebra as the vocab-parallel combine), giving
+``lse = m + log s``, ``H = log s - q / s`` and ``logp = z_y - lse``. No logit is ever written.
+
+Backward (:func:`backward_rows`). The vocabulary is cut into chunks of ``vc`` columns sized so
+that a ``[rows, vc]`` workspace in the compute dtype stays within ``_WORKSPACE_BYTES``. For each
+chunk ``_dz_kernel`` recomputes the tile and writes, in registers,
+
+    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y)      then · (1/T) and · softcap'(x)
+
+into the workspace (the label term is a compare, never a one-hot); then cuBLAS writes that
+chunk's ``dW`` rows once (``dzᵀ·h``) and adds ``dz·W_chunk`` into an fp32 hidden gradient, so
+16-bit inputs never see a 16-bit partial sum. With ``chunk_size`` the rows are also cut into
+passes; ``dW`` then accumulates in fp32, as the torch tiles do.
+
+The gradient-in-forward path of the fused loss (:func:`fused_rows`) is the same two kernels:
+the statistics, then the loss gradient of every row at once, then the backward pass.
+
+Interpreter. With ``TRITON_INTERPRET=1`` (read by Triton when this module is imported) the
+kernels run on CPU tensors. Its ``tl.dot`` is wrong on bf16 tiles, so 16-bit tiles are upcast
+to fp32 there (the products of 16-bit numbers are exact in fp32: only the summation order can
+differ from the GPU); it runs one fixed small configuration instead of autotuning.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .options import HeadOptions, finish_stats
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Backward workspace: [rows, vc] in the compute dtype, at most this many bytes, but never fewer
+# than _MIN_VOCAB_CHUNK columns (each chunk re-reads and re-writes the fp32 hidden gradient,
+# so narrow chunks cost bandwidth; with many rows the workspace grows with them instead).
+_WORKSPACE_BYTES = 128 << 20
+_MIN_VOCAB_CHUNK = 2048
+_CHUNK_ALIGN = 256
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program id -> (row block, column block), GROUP_M row blocks at a time so that programs
+    running together share their hidden and weight tiles in L2."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    local = pid % in_group
+    return first_m + local % size_m, local // size_m
+
+
+@triton.jit
+def _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE: tl.constexpr):
+    """[BLOCK_M] 1/T: TEMP_MODE 0 -> 1, 1 -> the scalar ``inv_temp``, 2 -> per row from t_ptr."""
+    if TEMP_MODE == 2:
+        return 1.0 / tl.load(t_ptr + rows)
+    else:
+        return tl.zeros(rows.shape, tl.float32) + inv_temp
+
+
+@triton.jit
+def _logits_tile(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    rows,
+    cols,
+    inv_t,
+    K,
+    stride_h,
+    stride_w,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TEMP_MODE: tl.constexpr,
+    HEAD_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Transformed logits ``z = softcap(h·wᵀ + b) / T`` of one [BLOCK_M, BLOCK_N] tile, fp32,
+    and ``tanh(x / softcap)`` (for the backward's softcap derivative; ``z`` without softcap).
+
+    ``rows`` / ``cols`` are in-range ids (the caller masks the tails), so loads need no mask
+    along M or V; K is masked unless it is a multiple of BLOCK_K.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        # Round to the head dtype first (as ``.to(head_dtype)`` would), then to the dot dtype
+        # (only the interpreter upcasts 16-bit tiles; exact).
+        a = a.to(HEAD_DTYPE).to(DOT_DTYPE)
+        b = b.to(HEAD_DTYPE).to(DOT_DTYPE)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    x = acc
+    if HAS_BIAS:
+        x += tl.load(b_ptr + cols).to(HEAD_DTYPE).to(tl.float32)[None, :]
+    th = x
+    if HAS_SOFTCAP:
+        # tanh(u) = 2·sigmoid(2u) - 1 (libdevice's tanh is missing in the interpreter)
+        th = 2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0
+        x = softcap * th
+    if TEMP_MODE != 0:
+        x = x * inv_t[:, None]
+    return x, th
+
+
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _stats_kernel(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    t_ptr,
+    stats_ptr,
+    M,
+    V,
+    K,
+    stride_h,
+    stride_w,
+    num_splits,
+    inv_temp,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TEMP_MODE: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    HEAD_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Online (m, s, q, z_y) of one row block over one vocabulary split -> stats[:, split, rows].
+
+    stats: [4, num_splits, M] fp32. A split with no vocab block (possible when the blocks do not
+    divide evenly) writes m = -inf, s = q = z_y = 0, which :func:`_merge_splits` ignores.
+    """
+    pid_m, pid_s = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_splits, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    rows = offs_m % M
+    y = tl.load(y_ptr + rows)
+    inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+
+    n_blocks = tl.cdiv(V, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, num_splits)
+    first = pid_s * per_split
+    last = tl.minimum(first + per_split, n_blocks)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    s_i = tl.zeros((BLOCK_M,), tl.float32)
+    q_i = tl.zeros((BLOCK_M,), tl.float32)
+    zy = tl.zeros((BLOCK_M,), tl.float32)
+    for nb in range(first, last):
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < V
+        z, _ = _logits_tile(
+            h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, softcap,
+            HAS_BIAS, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        z = tl.where(col_ok[None, :], z, -1.0e30)  # the tail: exp() = 0, no inf arithmetic
+        zy += tl.sum(tl.where(offs_n[None, :] == y[:, None], z, 0.0), axis=1)
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        d = z - m_new[:, None]  # <= 0
+        e = tl.exp(d)
+        alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
+        if WITH_ENTROPY:
+            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_new)
+            ed = tl.where(e > 0.0, e * d, 0.0)  # 0·(-inf) would be NaN for a -inf logit
+            q_i = alpha * (q_i + shift * s_i) + tl.sum(ed, axis=1)
+        s_i = alpha * s_i + tl.sum(e, axis=1)
+        m_i = m_new
+
+    out = stats_ptr + pid_s * M + offs_m
+    plane = num_splits * M
+    tl.store(out, m_i, mask=row_ok)
+    tl.store(out + plane, s_i, mask=row_ok)
+    tl.store(out + 2 * plane, q_i, mask=row_ok)
+    tl.store(out + 3 * plane, zy, mask=row_ok)
+
+
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _dz_kernel(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    t_ptr,
+    lse_ptr,
+    ent_ptr,
+    g_ptr,
+    e_ptr,
+    dz_ptr,
+    M,
+    V,
+    K,
+    stride_h,
+    stride_w,
+    v_start,
+    width,
+    inv_temp,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TEMP_MODE: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_E: tl.constexpr,
+    HEAD_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """d loss / d raw logits of rows [0, M) and columns [v_start, v_start + width) -> dz.
+
+    dz: [M, width] contiguous, in the compute dtype; lse, ent, g, e: [M] fp32.
+    """
+    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(width, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside the chunk
+    row_ok = offs_m < M
+    col_ok = offs_c < width
+    rows = offs_m % M
+    offs_n = v_start + offs_c
+    inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    z, th = _logits_tile(
+        h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, softcap,
+        HAS_BIAS, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    logp = z - tl.load(lse_ptr + rows)[:, None]
+    p = tl.exp(logp)
+    if HAS_G:
+        g_t = tl.load(g_ptr + rows) * inv_t  # g / T
+    else:
+        g_t = tl.zeros((BLOCK_M,), tl.float32)
+    if HAS_E:
+        e_t = tl.load(e_ptr + rows) * inv_t  # e / T
+        ent = tl.load(ent_ptr + rows)
+        dz = -p * (g_t[:, None] + e_t[:, None] * (logp + ent[:, None]))
+    else:
+        dz = -p * g_t[:, None]
+    y = tl.load(y_ptr + rows)
+    dz = tl.where(offs_n[None, :] == y[:, None], dz + g_t[:, None], dz)
+    if HAS_SOFTCAP:
+        dz = dz * (1.0 - th * th)
+    out = dz_ptr + offs_m.to(tl.int64)[:, None] * width + offs_c[None, :]
+    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations
+# --------------------------------------------------------------------------------------------
+
+
+def _config(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+# Tensor-core tiles (16-bit, TF32) and FMA tiles (IEEE fp32), pruned per call by the dot kind.
+_CONFIGS_TC = [
+    _config(128, 128, 64, 8, 3),
+    _config(128, 128, 64, 8, 4),
+    _config(128, 128, 64, 4, 3),
+    _config(128, 256, 64, 8, 3),
+    _config(128, 256, 64, 8, 4),
+    _config(256, 128, 64, 8, 3),
+    _config(64, 256, 64, 4, 4),
+    _config(128, 64, 64, 4, 4),
+    _config(128, 128, 128, 8, 2),
+]
+_CONFIGS_IEEE = [
+    _config(64, 64, 32, 4, 3),
+    _config(128, 64, 32, 8, 3),
+    _config(64, 128, 32, 8, 3),
+    _config(128, 128, 16, 8, 2),
+]
+_INTERPRETER_META = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+# Calls with fewer than _TUNE_MIN_ELEMS logits run one fixed configuration: autotuning (a few
+# seconds per new kernel specialization) only pays off where the kernels take milliseconds.
+_SMALL_META = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}
+_SMALL_LAUNCH = {"num_warps": 4, "num_stages": 2}
+_TUNE_MIN_ELEMS = 1 << 26
+
+
+def _prune(configs, named_args, **kwargs):
+    ieee = kwargs.get("IEEE", named_args.get("IEEE"))
+    keep = [c for c in configs if (c.kwargs["BLOCK_K"] <= 32) == bool(ieee)]
+    return keep or configs
+
+
+def _tuned(kernel, key: list[str]):
+    if _INTERPRET:
+        return kernel
+    return triton.autotune(
+        configs=_CONFIGS_TC + _CONFIGS_IEEE,
+        key=["K", "HEAD_DTYPE", "IEEE", *key],
+        prune_configs_by={"early_config_prune": _prune},
+    )(kernel)
+
+
+_stats_tuned = _tuned(_stats_kernel, ["WITH_ENTROPY"])
+_dz_tuned = _tuned(_dz_kernel, ["HAS_E"])
+_KERNELS = {"stats": (_stats_kernel, _stats_tuned), "dz": (_dz_kernel, _dz_tuned)}
+
+
+def _launch(name: str, elems: int, grid_of, *args, **kwargs) -> None:
+    """Launch kernel ``name`` over ``elems`` logits on the tensors' device: autotuned when the
+    call is large, one fixed small configuration otherwise or under the interpreter."""
+    plain, tuned = _KERNELS[name]
+    if _INTERPRET:
+        plain[(grid_of(_INTERPRETER_META),)](*args, **kwargs, **_INTERPRETER_META)
+        return
+    with torch.cuda.device(args[0].device):
+        if elems < _TUNE_MIN_ELEMS:
+            grid = (grid_of(_SMALL_META),)
+            plain[grid](*args, **kwargs, **_SMALL_META, **_SMALL_LAUNCH)
+        else:
+            tuned[lambda meta: (grid_of(meta),)](*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+class _Call:
+    """What every launch of one call shares: tensors made kernel-ready and the constexprs."""
+
+    def __init__(self, hidden, weight, bias, labels, temp, opts: HeadOptions) -> None:
+        self.hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+        self.weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.labels = labels.contiguous()
+        self.temp = None if temp is None else temp.float().contiguous()
+        hd = opts.head_dtype
+        if hd not in _TL_DTYPES:
+            raise ValueError(f"backend='triton' runs fp32, bf16 or fp16 heads, got {hd}")
+        # fp32 follows torch's matmul precision ("highest": IEEE, else TF32); the interpreter
+        # always multiplies in IEEE fp32.
+        ieee = _INTERPRET or (
+            hd == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+        )
+        scalar_t = opts.temperature if opts.temperature is not None else 1.0
+        self.inv_temp = 1.0 / scalar_t
+        self.softcap = 1.0 if opts.softcap is None else float(opts.softcap)
+        self.meta = {
+            "HAS_BIAS": bias is not None,
+            "HAS_SOFTCAP": opts.softcap is not None,
+            "TEMP_MODE": 2 if temp is not None else (1 if scalar_t != 1.0 else 0),
+            "HEAD_DTYPE": _TL_DTYPES[hd],
+            # The interpreter's dot is wrong on 16-bit tiles: upcast them there (exact).
+            "DOT_DTYPE": tl.float32 if _INTERPRET else _TL_DTYPES[hd],
+            "IEEE": ieee,
+        }
+
+    def tensors(self, r0: int, r1: int):
+        """(hidden, weight, bias, labels, temperature) of rows [r0, r1), with placeholders for
+        the absent optional tensors (never read: their constexpr flag is off)."""
+        h = self.hidden[r0:r1]
+        return (
+            h,
+            self.weight,
+            self.bias if self.bias is not None else h,
+            self.labels[r0:r1],
+            self.temp[r0:r1] if self.temp is not None else h,
+        )
+
+
+def _num_splits(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary splits of the forward kernel: at least two waves of programs on the GPU, and
+    a program count close to a multiple of the multiprocessors (a last, partly idle wave
+    costs up to one program's time)."""
+    if device.type != "cuda":
+        return 3  # the interpreter: several splits, so the tests cover the merge
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    row_blocks = -(-rows // 128)
+    most = max(1, min(64, -(-vocab // 256)))
+    least = min(most, max(1, -(-2 * sms // row_blocks)))
+
+    def efficiency(splits: int) -> float:
+        programs = row_blocks * splits
+        return programs / (-(-programs // sms) * sms) - 1e-3 * splits
+
+    return max(range(least, most + 1), key=efficiency)
+
+
+def _merge_splits(
+    stats: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """stats [4, splits, R] -> per-row (m, s, q, z_y) [R] over all splits (empty splits have
+    s = 0 and drop out)."""
+    m, s, q, zy = stats.unbind(0)
+    m_all = m.amax(0)
+    shift = m - m_all[None]  # <= 0; -inf for an empty split
+    alpha = shift.exp()
+    s_all = (alpha * s).sum(0)
+    q_all = torch.where(s > 0, alpha * (q + shift * s), 0.0).sum(0)
+    return m_all, s_all, q_all, zy.sum(0)
+
+
+def _row_passes(num_rows: int, opts: HeadOptions) -> list[tuple[int, int]]:
+    step = opts.chunk_size or max(num_rows, 1)
+    return [(r, min(r + step, num_rows)) for r in range(0, num_rows, step)]
+
+
+def _stats_pass(call: _Call, r0: int, r1: int, with_entropy: bool, vocab_parallel):
+    """logp, lse, entropy (or None) of rows [r0, r1): one kernel launch and the merge."""
+    rows, vocab, dim = r1 - r0, call.weight.shape[0], call.weight.shape[1]
+    splits = _num_splits(rows, vocab, call.hidden.device)
+    stats = torch.empty(4, splits, rows, device=call.hidden.device)
+    _launch(
+        "stats",
+        rows * vocab,
+        lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
+        *call.tensors(r0, r1),
+        stats,
+        rows,
+        vocab,
+        dim,
+        call.hidden.stride(0),
+        call.weight.stride(0),
+        splits,
+        call.inv_temp,
+        call.softcap,
+        WITH_ENTROPY=with_entropy,
+        **call.meta,
+    )
+    m, s, q, zy = _merge_splits(stats)
+    return finish_stats(m, s, q if with_entropy else None, zy, vocab_parallel)
+
+
+def forward_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temp: torch.Tensor | None,
+    opts: HeadOptions,
+    keep_tile: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+    """Log-prob of each row's label, its log-sum-exp and (optionally) entropy.
+
+    hidden: [M, H]; weight: [V, H]; labels: [M] int64 (shard-local under vocab parallelism,
+    possibly outside [0, V) then); temp: [M] fp32 or None. Returns logp [M], lse [M], entropy
+    [M] or None (fp32) and None (nothing is kept for backward: it recomputes). ``keep_tile`` is
+    accepted for the torch backend's signature and ignored.
+    """
+    num_rows = hidden.shape[0]
+    dev = hidden.device
+    logp = torch.empty(num_rows, device=dev)
+    lse = torch.empty(num_rows, device=dev)
+    ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
+    call = _Call(hidden, weight, bias, labels, temp, opts)
+    for r0, r1 in _row_passes(num_rows, opts):
+        lp, ls, en = _stats_pass(call, r0, r1, opts.with_entropy, opts.vocab_parallel)
+        logp[r0:r1], lse[r0:r1] = lp, ls
+        if ent is not None:
+            ent[r0:r1] = en
+    return logp, lse, ent, None
+
+
+@functools.cache
+def _has_fp32_out_mm(device: torch.device) -> bool:
+    """Whether torch.addmm adds a 16-bit product into an fp32 tensor without first rounding it
+    to 16 bits (``out_dtype=``: cuBLAS with an fp32 C, recent torch on CUDA). Probed once."""
+    if device.type != "cuda":
+        return False
+    acc = torch.zeros(1, 1, device=device)
+    one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, for a and b in one dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _has_fp32_out_mm(acc.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b  # the product is rounded once to a's dtype, the sum stays fp32
+
+
+def _vocab_chunk(rows: int, vocab: int, itemsize: int) -> int:
+    """Columns per backward chunk: the workspace budget, at least _MIN_VOCAB_CHUNK, aligned."""
+    cols = _WORKSPACE_BYTES // max(1, rows * itemsize)
+    cols = max(_MIN_VOCAB_CHUNK, cols // _CHUNK_ALIGN * _CHUNK_ALIGN)
+    return min(vocab, cols)
+
+
+def backward_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temp: torch.Tensor | None,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_ent: torch.Tensor | None,
+    opts: HeadOptions,
+    needs: tuple[bool, bool, bool],
+    kept: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients for hidden [M, H], weight [V, H] and bias [V], in those tensors' dtypes.
+
+    grad_logp / grad_ent: [M] upstream gradients (None when that output is unused); needs:
+    which of (hidden, weight, bias) want a gradient; ``kept`` is ignored (torch backend's).
+    """
+    num_rows, dim = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    hd = opts.head_dtype
+    need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
+    use_e = opts.with_entropy and grad_ent is not None
+    passes = _row_passes(num_rows, opts)
+    one_pass = len(passes) <= 1
+    # dW: written once per vocab chunk when one pass covers every row, else summed in fp32.
+    dw = db = dh = None
+    if need_w:
+        direct = one_pass
+        dw = torch.empty_like(weight) if direct else torch.zeros(vocab, dim, device=dev)
+    if need_b:
+        db = torch.zeros(vocab, device=dev)
+    if need_h and not one_pass:
+        dh = torch.empty_like(hidden)
+    if num_rows == 0:
+        dh = torch.zeros_like(hidden) if need_h else None
+        return dh, None if dw is None else dw.zero_(), None if db is None else db.to(bias.dtype)
+
+    call = _Call(hidden, weight, bias, labels, temp, opts)
+    h_all = hidden.to(hd)
+    f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+    lse, ent, g_all, e_all = f32(lse), f32(ent), f32(grad_logp), f32(grad_ent)
+    dh_acc = None
+    for r0, r1 in passes:
+        rows = r1 - r0
+        vc = _vocab_chunk(rows, vocab, torch.finfo(hd).bits // 8)
+        workspace = torch.empty(rows * vc, device=dev, dtype=hd)
+        h_rows = h_all[r0:r1]
+        # The hidden gradient of these rows sums over vocab chunks: in fp32.
+        dh_acc = torch.zeros(rows, dim, device=dev) if need_h else None
+        placeholder = lse  # any fp32 tensor; never read when its flag is off
+        for v0 in range(0, vocab, vc):
+            width = min(vc, vocab - v0)
+            dz = workspace[: rows * width].view(rows, width)
+            _launch(
+                "dz",
+                rows * width,
+                lambda meta, rows=rows, width=width: (
+                    triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"])
+                ),
+                *call.tensors(r0, r1),
+                lse[r0:r1],
+                ent[r0:r1] if use_e else placeholder,
+                g_all[r0:r1] if g_all is not None else placeholder,
+                e_all[r0:r1] if use_e else placeholder,
+                dz,
+                rows,
+                vocab,
+                dim,
+                call.hidden.stride(0),
+                call.weight.stride(0),
+                v0,
+                width,
+                call.inv_temp,
+                call.softcap,
+                HAS_G=g_all is not None,
+                HAS_E=use_e,
+                **call.meta,
+            )
+            if db is not None:
+                db[v0 : v0 + width] += dz.sum(0, dtype=torch.float32)
+            if dw is not None:
+                if not one_pass:
+                    _add_product(dw[v0 : v0 + width], dz.t(), h_rows)
+                elif dw.dtype == hd:
+                    torch.mm(dz.t(), h_rows, out=dw[v0 : v0 + width])
+                else:
+                    dw[v0 : v0 + width] = dz.t() @ h_rows
+            if dh_acc is not None:
+                _add_product(dh_acc, dz, weight[v0 : v0 + width].to(hd))
+        del workspace, dz  # before dh is allocated: the peak is dW + fp32 dh + workspace
+        if dh_acc is not None:
+            if opts.vocab_parallel is not None:
+                opts.vocab_parallel.reduce_hidden(dh_acc)
+            if one_pass:
+                dh = dh_acc.to(hidden.dtype)  # allocated after the workspace is freed
+            else:
+                dh[r0:r1] = dh_acc
+        del dh_acc
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    return dh, dw, None if db is None else db.to(bias.dtype)
+
+
+def fused_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temp: torch.Tensor | None,
+    opts: HeadOptions,
+    grad_fn,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    """Log-probs, entropy and parameter gradients of a loss whose per-row gradient
+    ``grad_fn(0, M, logp, entropy)`` gives: the statistics kernel, one evaluation of the loss
+    gradient for every row, then :func:`backward_rows`. Same contract as the torch backend's
+    ``fused_rows`` (which calls ``grad_fn`` once per row chunk)."""
+    logp, lse, ent, _ = forward_rows(hidden, weight, bias, labels, temp, opts)
+    g, e = grad_fn(0, hidden.shape[0], logp, ent)
+    if e is not None and ent is None:
+        raise ValueError("grad_fn returned an entropy gradient but with_entropy is False")
+    grads = backward_rows(hidden, weight, bias, labels, temp, lse, ent, g, e, opts, needs)
+    return logp, ent, grads
+
+
+__all__ = ["backward_rows", "forward_rows", "fused_rows"]
