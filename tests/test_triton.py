@@ -49,7 +49,9 @@ def narrow_chunks(monkeypatch):
 
 
 # test_head's small_tiles cases shrink the torch tiles; here they shrink the Triton workspace.
-TRITON_CASES = [c for c in CASES if c.dtype != "fp64"] + [
+# chunk_size=1 (one row per pass) is left out: a pass of one row is the same code as a pass of
+# seven (chunk=7 cases), and in the interpreter it costs a minute per case.
+TRITON_CASES = [c for c in CASES if c.dtype != "fp64" and c.chunk != 1] + [
     Case(V=37, shape=(19,), bias=True),  # fewer vocab blocks than splits: empty splits
     Case(V=32, shape=(16,), ignore="none"),  # V and rows exactly one block
     Case(H=64, temperature="tensor", softcap=2.0),  # H a multiple of BLOCK_K (unmasked K)

@@ -37,6 +37,7 @@ from ._validate import _is_dtensor
 from .distributed import VocabParallel
 from .fused_loss import fused_policy_loss
 from .head import linear_logprobs
+from .kernels import Backend
 from .losses import LossNormalizer, PolicyLossConfig
 from .types import LogProbs
 
@@ -178,7 +179,7 @@ class LogprobHead(_SharedHeadWeight):
             optional ``[V]`` bias), ``nn.Embedding(V, H)`` (tied embeddings), or any module
             with an ``nn.Parameter`` ``weight`` ``[V, H]`` (and optionally ``bias`` ``[V]``).
         temperature, softcap, with_entropy, ignore_index, chunk_size, head_dtype,
-            vocab_parallel: as in :func:`~logitless.linear_logprobs`.
+            vocab_parallel, backend: as in :func:`~logitless.linear_logprobs`.
 
     Forward: ``head(hidden [..., H], labels [...], temperature=None) -> LogProbs`` of fp32
     ``[...]`` tensors; a per-call ``temperature`` (e.g. a per-token tensor) overrides the stored
@@ -222,8 +223,10 @@ class LogprobHead(_SharedHeadWeight):
         chunk_size: int | None = None,
         head_dtype: torch.dtype | None = None,
         vocab_parallel: VocabParallel | None = None,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__(source)
+        self.backend = backend
         self.temperature = temperature
         self.softcap = softcap
         self.with_entropy = with_entropy
@@ -253,6 +256,7 @@ class LogprobHead(_SharedHeadWeight):
             chunk_size=self.chunk_size,
             head_dtype=self.head_dtype,
             vocab_parallel=self.vocab_parallel,
+            backend=self.backend,
         )
         # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
         # output that is a view would drop it (torch warns about views). [N]-sized copies.
@@ -264,7 +268,8 @@ class LogprobHead(_SharedHeadWeight):
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, "
             f"temperature={self.temperature}, softcap={self.softcap}, "
             f"with_entropy={self.with_entropy}, ignore_index={self.ignore_index}, "
-            f"chunk_size={self.chunk_size}, head_dtype={self.head_dtype}"
+            f"chunk_size={self.chunk_size}, head_dtype={self.head_dtype}, "
+            f"backend={self.backend!r}"
             + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
         )
 
@@ -286,8 +291,8 @@ class PolicyLossHead(_SharedHeadWeight):
         source: module owning the ``[V, H]`` weight (and optional ``[V]`` bias), as in
             :class:`LogprobHead`.
         config: the :class:`~logitless.PolicyLossConfig`.
-        temperature, softcap, head_dtype, chunk_size, ignore_index, vocab_parallel: as in
-            :func:`~logitless.fused_policy_loss`.
+        temperature, softcap, head_dtype, chunk_size, ignore_index, vocab_parallel, backend:
+            as in :func:`~logitless.fused_policy_loss`.
 
     Forward: ``head(hidden, labels, old_logprobs, advantages, *, document_ids=None,
     ref_logprobs=None, rollout_logprobs=None, normalizer=None, temperature=None) -> (loss,
@@ -328,6 +333,7 @@ class PolicyLossHead(_SharedHeadWeight):
         chunk_size: int | None = None,
         ignore_index: int = -100,
         vocab_parallel: VocabParallel | None = None,
+        backend: Backend = "auto",
     ) -> None:
         if not isinstance(config, PolicyLossConfig):
             raise ValueError(
@@ -341,6 +347,7 @@ class PolicyLossHead(_SharedHeadWeight):
         self.chunk_size = chunk_size
         self.ignore_index = ignore_index
         self.vocab_parallel = vocab_parallel
+        self.backend = backend
 
     def forward(
         self,
@@ -391,6 +398,7 @@ class PolicyLossHead(_SharedHeadWeight):
             rollout_logprobs=rollout_logprobs,
             normalizer=normalizer,
             vocab_parallel=self.vocab_parallel,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:
@@ -399,6 +407,6 @@ class PolicyLossHead(_SharedHeadWeight):
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, config={self.config}, "
             f"temperature={self.temperature}, softcap={self.softcap}, "
             f"head_dtype={self.head_dtype}, chunk_size={self.chunk_size}, "
-            f"ignore_index={self.ignore_index}"
+            f"ignore_index={self.ignore_index}, backend={self.backend!r}"
             + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
         )

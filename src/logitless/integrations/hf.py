@@ -43,6 +43,7 @@ from torch import nn
 from .._validate import check_chunk_size, check_head_args
 from ..fused_loss import fused_policy_loss
 from ..head import linear_logprobs
+from ..kernels import Backend, resolve_backend
 from ..losses import LossNormalizer, PolicyLossConfig, policy_loss
 from ..packing import (
     cu_seqlens_to_position_ids,
@@ -396,6 +397,7 @@ def _prepare(
     chunk_size: int | None,
     head_dtype: torch.dtype | None,
     ignore_index: int,
+    backend: object,
     model_kwargs: dict[str, Any],
 ) -> tuple[CausalLMHead, torch.Tensor, float | torch.Tensor, torch.dtype | None]:
     """Every check that needs no FLOP: model, inputs, labels, head options."""
@@ -449,6 +451,7 @@ def _prepare(
         ignore_index=ignore_index,
         head_dtype=head_dtype,
     )
+    resolve_backend(backend, head.weight.device, head_dtype or head.weight.dtype)
     return head, labels, temperature, head_dtype
 
 
@@ -505,6 +508,7 @@ def causal_lm_logprobs(
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     ignore_index: int = -100,
+    backend: Backend = "auto",
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of a transformers causal LM, without its logits.
@@ -530,7 +534,7 @@ def causal_lm_logprobs(
             and position_ids also go to the backbone (with ``cu_seqlens``, the backbone gets
             position_ids restarting at each document).
         labels: ``[B, T]`` targets aligned like the logits; default :func:`causal_lm_labels`.
-        with_entropy, temperature, chunk_size, head_dtype, ignore_index: as in
+        with_entropy, temperature, chunk_size, head_dtype, ignore_index, backend: as in
             :func:`logitless.linear_logprobs` (temperature: float or ``[B, T]`` tensor).
         **model_kwargs: passed to the backbone (e.g. flash-attention varlen arguments).
 
@@ -565,6 +569,7 @@ def causal_lm_logprobs(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
         ignore_index=ignore_index,
+        backend=backend,
         model_kwargs=model_kwargs,
     )
     hidden = causal_lm_hidden_states(
@@ -586,6 +591,7 @@ def causal_lm_logprobs(
             ignore_index=ignore_index,
             chunk_size=chunk_size,
             head_dtype=head_dtype,
+            backend=backend,
         )
 
 
@@ -654,6 +660,7 @@ def causal_lm_policy_loss(
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     ignore_index: int = -100,
+    backend: Backend = "auto",
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy loss of a transformers causal LM: backbone, then :func:`fused_policy_loss`.
@@ -664,12 +671,13 @@ def causal_lm_policy_loss(
         policy_loss(out.logprobs, old_logprobs, advantages, labels != ignore_index,
                     config=config, entropy=out.entropy, document_ids=..., ...)
 
-    with the head's gradients taken during the forward pass (three head matmuls, no
-    ``[B, T, V]`` logits); ``loss.backward()`` then runs the backbone's backward.
+    with the head's gradients taken during the forward pass (no ``[B, T, V]`` logits; see
+    :func:`fused_policy_loss` for the matmul count of each backend); ``loss.backward()`` then
+    runs the backbone's backward.
 
     Args:
         model, input_ids, attention_mask, position_ids, cu_seqlens, labels, response_mask,
-            temperature, chunk_size, head_dtype, ignore_index, model_kwargs: as in
+            temperature, chunk_size, head_dtype, ignore_index, backend, model_kwargs: as in
             :func:`causal_lm_logprobs`. The loss mask is ``labels != ignore_index``.
         old_logprobs: ``[B, T]`` fp32 log-probs of the behaviour policy, aligned like the
             labels (e.g. ``causal_lm_logprobs(...)`` under ``torch.no_grad()``).
@@ -717,6 +725,7 @@ def causal_lm_policy_loss(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
         ignore_index=ignore_index,
+        backend=backend,
         model_kwargs=model_kwargs,
     )
     document_ids = _document_ids(document_ids, attention_mask, position_ids, cu_seqlens, input_ids)
@@ -773,5 +782,6 @@ def causal_lm_policy_loss(
             head_dtype=head_dtype,
             chunk_size=chunk_size,
             ignore_index=ignore_index,
+            backend=backend,
             **loss_kwargs,
         )
