@@ -32,10 +32,10 @@ from logitless import (
     fused_policy_loss,
     linear_logprobs,
     next_token_labels,
-    packing,
+    parallel,
     policy_loss,
 )
-from logitless.distributed import even_vocab_range
+from logitless.parallel import even_vocab_range
 
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 N, H, V = 24, 16, 97
@@ -99,7 +99,7 @@ def _call(s, hidden, weight, cfg, **kw):
 def _shard(s, rank, world, layout):
     out = {k: v for k, v in s.items() if k in ("weight", "adv")}
     for k in ("doc", "labels", "hidden", "old", "ref", "rollout"):
-        out[k] = packing.context_parallel_split(s[k], rank, world, layout=layout)
+        out[k] = parallel.context_parallel_split(s[k], rank, world, layout=layout)
     return out
 
 
@@ -184,7 +184,9 @@ def test_sharded_stream_matches_one_process(spawned, layout, name):
         for r in cp_ranks:
             for key, value in single["metrics"].items():
                 torch.testing.assert_close(res[r]["metrics"][key], value, **CLOSE, msg=key)
-        merged = packing.context_parallel_merge([res[r]["hidden"] for r in cp_ranks], layout=layout)
+        merged = parallel.context_parallel_merge(
+            [res[r]["hidden"] for r in cp_ranks], layout=layout
+        )
         torch.testing.assert_close(merged, single["hidden"], **CLOSE)
     # weight: summed over the context group, concatenated over the vocab shards
     shards = [sum(res[c * tp + t]["weight"] for c in range(cp)) for t in range(tp)]

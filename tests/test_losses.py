@@ -28,7 +28,6 @@ from logitless.losses import (
     truncated_is_sequence,
     truncated_is_token,
 )
-from logitless.losses._segments import Segments
 
 D = torch.float64
 
@@ -121,9 +120,9 @@ def test_gmpo_hand_worked_geometric_mean_of_log_clipped_ratios():
     # (A > 0 clips only from above); R = exp(mean c) = exp(0) = 1
     x = torch.tensor([0.1, 0.6, -0.5], dtype=D, requires_grad=True)
     a = t(1.0, 1.0, 1.0)
-    seg = Segments(torch.zeros(3, dtype=torch.long), 1)
+    seg = (torch.zeros(3, dtype=torch.long), 1)
     valid = torch.ones(3, dtype=torch.bool)
-    out = gmpo_surrogate(x, a, valid, seg, clip_low=0.4, clip_high=0.4)
+    out = gmpo_surrogate(x, a, valid, *seg, clip_low=0.4, clip_high=0.4)
     assert_close(out.loss, t(-1.0, -1.0, -1.0), rtol=0, atol=1e-12)
     # each token: -A R dc_t/dx_t; the clipped token has no gradient
     assert_close(grad_of(out.loss, x), t(-1.0, 0.0, -1.0), rtol=0, atol=1e-12)
@@ -134,7 +133,8 @@ def test_gmpo_hand_worked_geometric_mean_of_log_clipped_ratios():
         x2,
         t(-1.0, -1.0),
         torch.ones(2, dtype=torch.bool),
-        Segments(torch.zeros(2, dtype=torch.long), 1),
+        torch.zeros(2, dtype=torch.long),
+        1,
         0.4,
         0.4,
     )
@@ -211,11 +211,11 @@ def test_gmpo_gradcheck_against_sequence_objective():
     x, _ = _gradcheck_inputs()
     ids = torch.tensor([0, 0, 0, 1, 1, -1])
     a = t(0.7, 0.7, 0.7, -1.3, -1.3, 0.0)  # one advantage per document
-    seg = Segments(ids, 2)
+    seg = (ids, 2)
     valid = ids >= 0
 
     def seq_mean(x):
-        loss = gmpo_surrogate(x, a, valid, seg, 0.1, 0.2).loss
+        loss = gmpo_surrogate(x, a, valid, *seg, 0.1, 0.2).loss
         return (loss[:3].mean() + loss[3:5].mean()) / 2
 
     assert torch.autograd.gradcheck(seq_mean, (x,), eps=1e-6, atol=1e-8)
@@ -255,10 +255,10 @@ def test_kl_k3_clamps_like_the_anchors():
 def test_truncated_is_token_and_sequence():
     log_rho = t(0.5, 3.0, 1.2, 5.0, 1.0).log()
     assert_close(truncated_is_token(log_rho, 2.0), t(0.5, 2.0, 1.2, 2.0, 1.0), rtol=0, atol=1e-12)
-    seg = Segments(torch.tensor([0, 0, 1, 1, -1]), 2)
+    seg = (torch.tensor([0, 0, 1, 1, -1]), 2)
     valid = torch.tensor([True, True, True, False, True])
     # doc 0: 0.5 * 3 = 1.5 -> capped at 1.4; doc 1: only token 2 valid -> 1.2; padding -> 0
-    w = truncated_is_sequence(log_rho, valid, seg, 1.4)
+    w = truncated_is_sequence(log_rho, valid, *seg, 1.4)
     assert_close(w, t(1.4, 1.4, 1.2, 1.2, 0.0), rtol=0, atol=1e-12)
 
 
@@ -270,14 +270,14 @@ def test_token_band_mask_icepop():
 def test_sequence_masks_geometric_and_product():
     # doc 0: rho = [4, 0.5] -> geometric sqrt(2) = 1.41, product 2; doc 1: [1.1, 1.1, 1.1]
     log_rho = t(4.0, 0.5, 1.1, 1.1, 1.1).log()
-    seg = Segments(torch.tensor([0, 0, 1, 1, 1]), 2)
+    seg = (torch.tensor([0, 0, 1, 1, 1]), 2)
     valid = torch.ones(5, dtype=torch.bool)
-    geo = sequence_mask(log_rho, valid, seg, "geometric", 0.5, 1.2)
+    geo = sequence_mask(log_rho, valid, *seg, "geometric", 0.5, 1.2)
     assert_close(geo, t(0.0, 0.0, 1.0, 1.0, 1.0), rtol=0, atol=0)
-    prod = sequence_mask(log_rho, valid, seg, "product", 0.5, 1.5)
+    prod = sequence_mask(log_rho, valid, *seg, "product", 0.5, 1.5)
     # doc 1 product 1.331 inside, doc 0 product 2 outside
     assert_close(prod, t(0.0, 0.0, 1.0, 1.0, 1.0), rtol=0, atol=0)
-    prod_wide = sequence_mask(log_rho, valid, seg, "product", 0.5, 2.5)
+    prod_wide = sequence_mask(log_rho, valid, *seg, "product", 0.5, 2.5)
     assert_close(prod_wide, torch.ones(5, dtype=D), rtol=0, atol=0)
 
 

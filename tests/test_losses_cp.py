@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _tolerance import assert_no_worse_than_reference
 
-from logitless import packing
+from logitless import parallel
 from logitless.losses import (
     DocumentStats,
     LossNormalizer,
@@ -55,41 +55,41 @@ def _reference_split(x, rank, world, layout, dim):
 def test_split_matches_reference_and_merge_inverts_it(layout, world, shape, dim):
     x = torch.randn(shape, dtype=torch.float64)
     shards = [
-        packing.context_parallel_split(x, r, world, layout=layout, dim=dim) for r in range(world)
+        parallel.context_parallel_split(x, r, world, layout=layout, dim=dim) for r in range(world)
     ]
     for r, sh in enumerate(shards):
         assert torch.equal(sh, _reference_split(x, r, world, layout, dim))
-        idx = packing.context_parallel_indices(12, r, world, layout=layout)
+        idx = parallel.context_parallel_indices(12, r, world, layout=layout)
         assert torch.equal(sh, x.index_select(dim, idx))
-    assert torch.equal(packing.context_parallel_merge(shards, layout=layout, dim=dim), x)
+    assert torch.equal(parallel.context_parallel_merge(shards, layout=layout, dim=dim), x)
 
 
 def test_split_hand_worked_and_padding():
     x = torch.arange(8)
-    assert packing.context_parallel_split(x, 0, 2, layout="zigzag").tolist() == [0, 1, 6, 7]
-    assert packing.context_parallel_split(x, 1, 2, layout="zigzag").tolist() == [2, 3, 4, 5]
-    assert packing.context_parallel_indices(12, 1, 3, layout="zigzag").tolist() == [2, 3, 8, 9]
+    assert parallel.context_parallel_split(x, 0, 2, layout="zigzag").tolist() == [0, 1, 6, 7]
+    assert parallel.context_parallel_split(x, 1, 2, layout="zigzag").tolist() == [2, 3, 4, 5]
+    assert parallel.context_parallel_indices(12, 1, 3, layout="zigzag").tolist() == [2, 3, 8, 9]
     # 10 tokens over zigzag-2: padded to 12 with -1 (ids), False (masks), 0.0 (floats)
     ids = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
-    s1 = packing.context_parallel_split(ids, 1, 2, layout="zigzag", pad_value=-1)
+    s1 = parallel.context_parallel_split(ids, 1, 2, layout="zigzag", pad_value=-1)
     assert s1.tolist() == [1, 1, 1, 1, 2, 2]
-    s0 = packing.context_parallel_split(ids, 0, 2, layout="zigzag", pad_value=-1)
+    s0 = parallel.context_parallel_split(ids, 0, 2, layout="zigzag", pad_value=-1)
     assert s0.tolist() == [0, 0, 0, 2, -1, -1]
-    merged = packing.context_parallel_merge([s0, s1], layout="zigzag", length=10)
+    merged = parallel.context_parallel_merge([s0, s1], layout="zigzag", length=10)
     assert torch.equal(merged, ids)
-    m = packing.context_parallel_split(torch.ones(10, dtype=torch.bool), 0, 4, pad_value=False)
+    m = parallel.context_parallel_split(torch.ones(10, dtype=torch.bool), 0, 4, pad_value=False)
     assert m.tolist() == [True, True, True]
-    last = packing.context_parallel_split(torch.ones(10, dtype=torch.bool), 3, 4, pad_value=False)
+    last = parallel.context_parallel_split(torch.ones(10, dtype=torch.bool), 3, 4, pad_value=False)
     assert last.tolist() == [True, False, False]
 
 
 def test_split_is_differentiable_and_contiguous_is_a_view():
     x = torch.randn(8, 3, requires_grad=True)
-    sh = packing.context_parallel_split(x, 1, 2)
+    sh = parallel.context_parallel_split(x, 1, 2)
     assert sh.data_ptr() == x[4:].data_ptr()
     g = torch.randn(8, 3)
-    parts = [packing.context_parallel_split(x, r, 2, layout="zigzag") for r in range(2)]
-    merged = packing.context_parallel_merge(parts, layout="zigzag")
+    parts = [parallel.context_parallel_split(x, r, 2, layout="zigzag") for r in range(2)]
+    merged = parallel.context_parallel_merge(parts, layout="zigzag")
     (merged * g).sum().backward()
     assert torch.equal(x.grad, g)
 
@@ -97,31 +97,31 @@ def test_split_is_differentiable_and_contiguous_is_a_view():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: packing.context_parallel_split(torch.zeros(10), 0, 4), "pad_value"),
-        (lambda: packing.context_parallel_split(torch.zeros(6), 0, 2, layout="zigzag"), "4"),
-        (lambda: packing.context_parallel_split(torch.zeros(8), 2, 2), "rank"),
-        (lambda: packing.context_parallel_split(torch.zeros(8), -1, 2), "rank"),
-        (lambda: packing.context_parallel_split(torch.zeros(8), 0, 0), "world_size"),
-        (lambda: packing.context_parallel_split(torch.zeros(8), 0, 2, layout="ring"), "layout"),
-        (lambda: packing.context_parallel_split(torch.zeros(8), 0, 2, dim=1), "dim"),
-        (lambda: packing.context_parallel_split([1, 2], 0, 2), "tensor"),
+        (lambda: parallel.context_parallel_split(torch.zeros(10), 0, 4), "pad_value"),
+        (lambda: parallel.context_parallel_split(torch.zeros(6), 0, 2, layout="zigzag"), "4"),
+        (lambda: parallel.context_parallel_split(torch.zeros(8), 2, 2), "rank"),
+        (lambda: parallel.context_parallel_split(torch.zeros(8), -1, 2), "rank"),
+        (lambda: parallel.context_parallel_split(torch.zeros(8), 0, 0), "world_size"),
+        (lambda: parallel.context_parallel_split(torch.zeros(8), 0, 2, layout="ring"), "layout"),
+        (lambda: parallel.context_parallel_split(torch.zeros(8), 0, 2, dim=1), "dim"),
+        (lambda: parallel.context_parallel_split([1, 2], 0, 2), "tensor"),
         (
-            lambda: packing.context_parallel_split(
+            lambda: parallel.context_parallel_split(
                 torch.ones(5, dtype=torch.bool), 0, 2, pad_value=-1
             ),
             "pad_value",
         ),
         (
-            lambda: packing.context_parallel_split(
+            lambda: parallel.context_parallel_split(
                 torch.zeros(5, dtype=torch.long), 0, 2, pad_value=0.5
             ),
             "pad_value",
         ),
-        (lambda: packing.context_parallel_merge([]), "shards"),
-        (lambda: packing.context_parallel_merge([torch.zeros(2), torch.zeros(3)]), "same shape"),
-        (lambda: packing.context_parallel_merge([torch.zeros(3)] * 2, layout="zigzag"), "even"),
-        (lambda: packing.context_parallel_merge([torch.zeros(2)] * 2, length=5), "length"),
-        (lambda: packing.context_parallel_indices(7, 0, 2), "pad"),
+        (lambda: parallel.context_parallel_merge([]), "shards"),
+        (lambda: parallel.context_parallel_merge([torch.zeros(2), torch.zeros(3)]), "same shape"),
+        (lambda: parallel.context_parallel_merge([torch.zeros(3)] * 2, layout="zigzag"), "even"),
+        (lambda: parallel.context_parallel_merge([torch.zeros(2)] * 2, length=5), "length"),
+        (lambda: parallel.context_parallel_indices(7, 0, 2), "pad"),
     ],
 )
 def test_split_bad_input(call, match):
@@ -295,7 +295,7 @@ def _run_case(name, dtype, rank, world, layout, group):
     def shard(t):
         if t is None or group is None:
             return t
-        return packing.context_parallel_split(t, rank, world, layout=layout, dim=dim)
+        return parallel.context_parallel_split(t, rank, world, layout=layout, dim=dim)
 
     lp = shard(d["lp"]).clone().requires_grad_()
     ent = shard(d["ent"]).clone().requires_grad_()
@@ -330,7 +330,7 @@ def _chunked_with_stats(name, rank, world, layout, group):
         return (
             None
             if t is None
-            else packing.context_parallel_split(t, rank, world, layout=layout, dim=dim)
+            else parallel.context_parallel_split(t, rank, world, layout=layout, dim=dim)
         )
 
     lp_all = shard(d["lp"])
@@ -400,7 +400,7 @@ def _errors(rank, group):
     """Bad input on one rank must raise on every rank (and not hang the others)."""
     d = _stream("packed", torch.float64)
     lp, old, mask, ids = (
-        packing.context_parallel_split(d[k], rank, 2) for k in ("lp", "old", "mask", "ids")
+        parallel.context_parallel_split(d[k], rank, 2) for k in ("lp", "old", "mask", "ids")
     )
     cfg = PolicyLossConfig(ratio_level="sequence")
     out = {}
@@ -427,8 +427,8 @@ def _errors(rank, group):
     )
     # a [B, T] shard cannot default norm_length to its own row length
     rows = _stream("rows", torch.float64)
-    r_lp = packing.context_parallel_split(rows["lp"], rank, 2, dim=1)
-    r_mask = packing.context_parallel_split(rows["mask"], rank, 2, dim=1)
+    r_lp = parallel.context_parallel_split(rows["lp"], rank, 2, dim=1)
+    r_mask = parallel.context_parallel_split(rows["mask"], rank, 2, dim=1)
     out["norm_length"] = _expect_value_error(
         lambda: policy_loss(
             r_lp,
@@ -467,11 +467,11 @@ def _worker(rank, world, init_file, out_dir, plan):
                 d = _stream(stream, torch.float64)
                 dim = _dim(stream)
                 masks = [
-                    packing.context_parallel_split(d["mask"], rank, world, layout=layout, dim=dim)
+                    parallel.context_parallel_split(d["mask"], rank, world, layout=layout, dim=dim)
                 ]
                 ids = None
                 if d["ids"] is not None:
-                    ids = [packing.context_parallel_split(d["ids"], rank, world, layout=layout)]
+                    ids = [parallel.context_parallel_split(d["ids"], rank, world, layout=layout)]
                 n = loss_normalizer(
                     masks * 2, None if ids is None else ids * 2, context_group=group
                 )
@@ -496,7 +496,7 @@ def _spawn(world, plan):
 
 
 def _merge(per_rank, key, layout, stream):
-    return packing.context_parallel_merge(
+    return parallel.context_parallel_merge(
         [r[key] for r in per_rank], layout=layout, dim=_dim(stream)
     )
 
@@ -589,15 +589,15 @@ def test_document_split_across_ranks_and_empty_ranks_are_exercised():
     packed, sparse = _stream("packed", torch.float64), _stream("sparse", torch.float64)
     sparse_valid = sparse["mask"] & (sparse["ids"] >= 0)
     for layout in ("contiguous", "zigzag"):
-        a, b = (packing.context_parallel_split(packed["ids"], r, 2, layout=layout) for r in (0, 1))
+        a, b = (parallel.context_parallel_split(packed["ids"], r, 2, layout=layout) for r in (0, 1))
         assert (set(a.tolist()) & set(b.tolist())) - {-1}, layout
-        assert not packing.context_parallel_split(sparse_valid, 1, 2, layout=layout).any()
+        assert not parallel.context_parallel_split(sparse_valid, 1, 2, layout=layout).any()
     for layout in ("zigzag",):
         shards = [
-            packing.context_parallel_split(packed["ids"], r, 3, layout=layout) for r in range(3)
+            parallel.context_parallel_split(packed["ids"], r, 3, layout=layout) for r in range(3)
         ]
         assert sum(1 for s in shards if 2 in s.tolist()) == 3  # doc 2 on all three ranks
-    assert (packing.context_parallel_split(sparse["ids"], 1, 2) == -1).all()
+    assert (parallel.context_parallel_split(sparse["ids"], 1, 2) == -1).all()
 
 
 @pytest.mark.parametrize(

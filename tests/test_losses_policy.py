@@ -662,17 +662,25 @@ def test_docs_usage_example_runs():
     assert_close(split_grad, whole_grad, rtol=1e-5, atol=1e-7)
 
 
-def test_bf16_inputs_compute_in_fp32():
+def test_bf16_logprobs_compute_in_fp32_and_16bit_loss_inputs_are_refused():
+    """The current policy's log-probs may come from a bf16 model: the loss computes in fp32.
+    Old log-probs and advantages are loss *inputs*: in 16 bits they skew the ratio, so the one
+    precision rule of every entry point refuses them."""
     batch = make_batch(seed=2)
     mask = batch["mask"]
     lp32 = torch.where(mask, batch["lp"], -1.0).float()
     old32 = torch.where(mask, batch["old"], -1.0).float()
     cfg = PolicyLossConfig(surrogate="reinforce")
     lp16 = lp32.bfloat16().requires_grad_(True)
-    loss16, _ = policy_loss(lp16, old32.bfloat16(), batch["adv"].float(), mask, config=cfg)
-    loss32, _ = policy_loss(
-        lp16.detach().float(), old32.bfloat16().float(), batch["adv"].float(), mask, config=cfg
-    )
+    loss16, _ = policy_loss(lp16, old32, batch["adv"].float(), mask, config=cfg)
+    loss32, _ = policy_loss(lp16.detach().float(), old32, batch["adv"].float(), mask, config=cfg)
     assert loss16.dtype == torch.float32
     assert_close(loss16, loss32, rtol=1e-6, atol=1e-7)
     assert torch.autograd.grad(loss16, lp16)[0].dtype == torch.bfloat16
+    for name, kwargs in (
+        ("old_logprobs", dict(old_logprobs=old32.bfloat16())),
+        ("advantages", dict(advantages=batch["adv"].half())),
+    ):
+        args = dict(old_logprobs=old32, advantages=batch["adv"].float()) | kwargs
+        with pytest.raises(ValueError, match=f"{name} must be float32 or float64"):
+            policy_loss(lp16, args["old_logprobs"], args["advantages"], mask, config=cfg)

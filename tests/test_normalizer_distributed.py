@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from logitless import PolicyLossConfig, loss_normalizer, packing, policy_loss
+from logitless import PolicyLossConfig, loss_normalizer, parallel, policy_loss
 
 WORLD = 2
 CONFIGS = [
@@ -292,7 +292,7 @@ def _mesh_worker(rank: int, init_file: str, out_dir: str) -> None:
             {
                 k: v
                 if k == "adv"
-                else packing.context_parallel_split(v, cp_rank, 2, layout="zigzag")
+                else parallel.context_parallel_split(v, cp_rank, 2, layout="zigzag")
                 for k, v in _pack(docs, ix, multiple=4).items()
             }
             for ix in plan

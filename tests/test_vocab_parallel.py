@@ -22,7 +22,7 @@ from _tolerance import FLOOR, assert_no_worse_than_reference
 
 from logitless import PolicyLossConfig, VocabParallel, fused_policy_loss, linear_logprobs
 from logitless import policy_loss as compose_loss
-from logitless.distributed import even_vocab_range
+from logitless.parallel import even_vocab_range
 from logitless.reference import linear_logprobs as ref_logprobs
 
 N_TOK, H, V = (3, 41), 67, 1003

@@ -1,17 +1,24 @@
-"""logitless: LM-head log-probs, entropy and RL policy losses without materializing logits."""
+"""logitless: LM-head log-probs, entropy and RL policy losses without materializing logits.
 
-from . import accumulation, advantages, distributed, losses, modules, packing, reference
-from .accumulation import AccumulatedStep, StepAccumulator
-from .distributed import VocabParallel
+The core a training step needs is importable from here (``logitless.__all__``). The
+submodules hold the rest and are importable by name: :mod:`logitless.losses` (every loss
+variant as a small function), :mod:`logitless.advantages`, :mod:`logitless.packing` (labels
+and document ids of packed streams), :mod:`logitless.parallel` (vocab / context parallelism),
+:mod:`logitless.accumulation`, :mod:`logitless.reference` (the naive oracle),
+:mod:`logitless.integrations.hf`.
+"""
+
+from . import advantages, losses, packing, parallel, reference  # noqa: F401  (importable by name)
+from .accumulation import StepAccumulator
 from .fused_loss import fused_policy_loss
-from .head import LinearLogprobs, linear_logprobs
+from .head import linear_logprobs
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
-from .modules import LogprobHead, PolicyLossHead
-from .packing import next_token_labels, segment_sum
+from .modules import LinearLogprobs, LogprobHead, PolicyLossHead
+from .packing import next_token_labels
+from .parallel import VocabParallel
 from .types import LogProbs
 
 __all__ = [
-    "AccumulatedStep",
     "LinearLogprobs",
     "LogProbs",
     "LogprobHead",
@@ -20,18 +27,10 @@ __all__ = [
     "PolicyLossHead",
     "StepAccumulator",
     "VocabParallel",
-    "accumulation",
-    "advantages",
-    "distributed",
     "fused_policy_loss",
     "linear_logprobs",
     "loss_normalizer",
-    "losses",
-    "modules",
     "next_token_labels",
-    "packing",
     "policy_loss",
-    "reference",
-    "segment_sum",
 ]
 __version__ = "0.1.0.dev0"

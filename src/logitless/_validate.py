@@ -8,10 +8,13 @@ never returning a silently wrong number (the kernels need that row count anyway)
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from ._checks import check_full_precision, positive_finite_float
+from ._checks import fmt_shape as _fmt_shape
+from .kernels.options import resolve_backend
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -22,7 +25,7 @@ class HeadArgs:
 
     hidden: [N, H]; labels: [N] int64; temperature: float or [N] fp32 tensor;
     batch_shape: the leading shape of the caller's ``hidden`` (``labels.shape``); num_valid:
-    how many labels are not ``ignore_index``.
+    how many labels are not ``ignore_index``; backend: the resolved ``backend=`` choice.
     """
 
     hidden: torch.Tensor
@@ -34,23 +37,11 @@ class HeadArgs:
     head_dtype: torch.dtype
     batch_shape: torch.Size
     num_valid: int  # rows whose label is not ignore_index
-
-
-def _fmt_shape(t: torch.Tensor) -> str:
-    return f"[{', '.join(str(s) for s in t.shape)}]"
+    backend: str  # "torch" or "triton": the kernels that run the call
 
 
 def _is_dtensor(t: object) -> bool:
     return type(t).__name__ == "DTensor"
-
-
-def _positive_finite_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
-    return value
 
 
 def check_chunk_size(chunk_size: object) -> int | None:
@@ -59,12 +50,6 @@ def check_chunk_size(chunk_size: object) -> int | None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     return chunk_size
-
-
-def check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 def check_head_args(
@@ -78,10 +63,11 @@ def check_head_args(
     ignore_index: int,
     head_dtype: torch.dtype | None,
     vocab_parallel: object | None = None,
+    backend: object = "torch",
 ) -> HeadArgs:
     """Validate a head call and return its arguments flattened to rows.
 
-    With ``vocab_parallel`` (a :class:`~logitless.distributed.VocabParallel`), ``weight`` and
+    With ``vocab_parallel`` (a :class:`~logitless.parallel.VocabParallel`), ``weight`` and
     ``bias`` are this rank's shard and labels are checked against the global vocabulary.
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
@@ -114,7 +100,7 @@ def check_head_args(
     vocab, dim = weight.shape
     label_vocab = vocab
     if vocab_parallel is not None:
-        from .distributed import VocabParallel
+        from .parallel.vocab import VocabParallel
 
         if not isinstance(vocab_parallel, VocabParallel):
             raise ValueError(
@@ -172,7 +158,8 @@ def check_head_args(
                 "head_dtype="
             )
     if softcap is not None:
-        softcap = _positive_finite_float("softcap", softcap)
+        softcap = positive_finite_float("softcap", softcap)
+    resolved = resolve_backend(backend, weight.device, head_dtype or weight.dtype)
 
     flat_labels = labels.reshape(-1)
     valid = flat_labels != ignore_index
@@ -183,6 +170,7 @@ def check_head_args(
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise ValueError(f"temperature tensor must be floating, got dtype {temperature.dtype}")
+        check_full_precision(temperature=temperature)
         if temperature.requires_grad:
             raise ValueError(
                 "temperature must not require grad: logitless treats it as a constant and "
@@ -198,7 +186,7 @@ def check_head_args(
             ) from None
         bad_temp = (~(torch.isfinite(temp) & (temp > 0))).sum()
     else:
-        temp = _positive_finite_float("temperature", temperature)
+        temp = positive_finite_float("temperature", temperature)
 
     # The one host sync of a call: valid-row count, out-of-range labels, bad temperatures.
     counts = [valid.sum(), bad.sum()] + ([] if bad_temp is None else [bad_temp])
@@ -223,7 +211,32 @@ def check_head_args(
         head_dtype=head_dtype if head_dtype is not None else hidden.dtype,
         batch_shape=labels.shape,
         num_valid=int(num_valid),
+        backend=resolved,
     )
+
+
+def with_hidden(args: HeadArgs, hidden: object, head_dtype: torch.dtype | None) -> HeadArgs:
+    """``args`` (checked on a placeholder of the hidden states, e.g. before a model's backbone
+    ran) with the real ``hidden`` in its place, after the checks that concern ``hidden`` alone:
+    type, shape, device, dtype. No value check and no host sync: those ran on ``args``.
+    ``head_dtype``: the caller's own argument (None: hidden must share the weight's dtype).
+    """
+    if not isinstance(hidden, torch.Tensor) or _is_dtensor(hidden):
+        raise ValueError(f"hidden must be a plain torch.Tensor, got {type(hidden).__name__}")
+    dim = args.weight.shape[1]
+    if hidden.shape != (*args.batch_shape, dim) or not hidden.is_floating_point():
+        raise ValueError(
+            f"hidden must be a floating tensor of shape {[*args.batch_shape, dim]}, got dtype "
+            f"{hidden.dtype} and shape {_fmt_shape(hidden)}"
+        )
+    if hidden.device != args.weight.device:
+        raise ValueError(f"hidden must be on {args.weight.device}, got {hidden.device}")
+    if head_dtype is None and hidden.dtype != args.weight.dtype:
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and weight ({args.weight.dtype}) must share a dtype, or "
+            "pass head_dtype= to run the projection in one dtype"
+        )
+    return replace(args, hidden=hidden.reshape(-1, dim))
 
 
 def check_head_call(
@@ -234,7 +247,8 @@ def check_head_call(
     vocab_parallel: object | None,
     **options,
 ) -> HeadArgs:
-    """:func:`check_head_args`, made collective when the head is vocab-parallel.
+    """:func:`check_head_args`, made collective when the head is vocab-parallel (the one
+    check of the head contract per call).
 
     With ``vocab_parallel``, every rank takes part in one agreement all-reduce whether or not
     its own inputs passed, so that a bad input on one rank raises on all of them instead of
@@ -242,7 +256,7 @@ def check_head_call(
     """
     if vocab_parallel is None:
         return check_head_args(hidden, weight, labels, vocab_parallel=None, **options)
-    from .distributed import VocabParallel
+    from .parallel.vocab import VocabParallel
 
     if not isinstance(vocab_parallel, VocabParallel):
         raise ValueError(

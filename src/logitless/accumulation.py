@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 import torch
 
 from .losses.normalizer import LossNormalizer, loss_normalizer
+from .parallel.collectives import check_group, comm_device, sum_or_raise
 
 __all__ = ["AccumulatedStep", "StepAccumulator"]
 
@@ -83,23 +84,6 @@ def _check_budget(name: str, value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
     return value
-
-
-def _check_group(name: str, group: object) -> None:
-    if group is None:
-        return
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            f"{name} was given but torch.distributed is not initialized; call "
-            f"init_process_group first or pass {name}=None"
-        )
-    if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(
-            f"{name} must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD), "
-            f"got {type(group).__name__}"
-        )
 
 
 class StepAccumulator(Generic[T]):
@@ -197,7 +181,7 @@ class StepAccumulator(Generic[T]):
         if len(given) > 1:
             raise ValueError(f"give at most one of {list(budgets)}, got {given}")
         for name, group in (("process_group", process_group), ("context_group", context_group)):
-            _check_group(name, group)
+            check_group(group, name)
         LossNormalizer(0.0, 0.0, loss_scale=loss_scale)  # checks loss_scale
         self.mask_of = mask_of
         self.document_ids_of = document_ids_of
@@ -258,13 +242,13 @@ class StepAccumulator(Generic[T]):
     # internals
 
     def _local_counts(self, micro_batches: list[T]) -> tuple[torch.Tensor, ValueError | None]:
-        """``[valid tokens, documents, failed]`` float64 over this rank's ``micro_batches``.
+        """``[valid tokens, documents]`` float64 over this rank's ``micro_batches``.
 
         A ``ValueError`` from bad micro-batch content is returned, not raised, so that this
-        rank still takes part in the round's all-reduce (``failed = 1``) and every rank raises.
+        rank still takes part in the round's all-reduce and every rank raises.
         """
         if not micro_batches:
-            return torch.zeros(3, dtype=torch.float64), None
+            return torch.zeros(2, dtype=torch.float64), None
         try:
             masks = [self.mask_of(mb) for mb in micro_batches]
             ids = [
@@ -277,39 +261,28 @@ class StepAccumulator(Generic[T]):
                 if mask.dtype != torch.bool:
                     raise ValueError(f"mask_of must return a bool tensor, got {mask.dtype}")
         except ValueError as error:
-            return torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64), error
+            return torch.zeros(2, dtype=torch.float64), error
         self._device = masks[0].device
         counts = [torch.as_tensor(norm.num_tokens), torch.as_tensor(norm.num_sequences)]
-        return torch.stack([*counts, counts[0].new_zeros(())]).double(), None
+        return torch.stack(counts).double().cpu(), None
 
     def _count_device(self) -> torch.device:
-        """Where the round's counts are all-reduced: CUDA for NCCL groups, else the CPU."""
+        """Where the round's counts live: the group's control device, else the CPU."""
         if self.process_group is not None:
-            import torch.distributed as dist
-
-            if "nccl" in str(dist.get_backend(self.process_group)).lower():
-                return torch.device("cuda", torch.cuda.current_device())
+            return comm_device(self.process_group)
         return torch.device("cpu")
 
     def _sum_over_ranks(
         self, local: torch.Tensor, extra: list[float], error: ValueError | None
     ) -> list[float]:
         """``[tokens, documents, *extra]`` summed over the group (one all-reduce, one sync)."""
-        local = torch.cat([local, local.new_tensor(extra)])
-        if self.process_group is not None:
-            import torch.distributed as dist
-
-            local = local.to(self._count_device())
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
-        tokens, docs, failed, *rest = local.tolist()
-        if error is not None:
-            raise error
-        if failed:
-            raise ValueError(
-                "another rank of process_group rejected its micro-batch (see its ValueError); "
-                "this rank's micro-batches passed the checks"
-            )
-        return [tokens, docs, *rest]
+        values = torch.cat([local, local.new_tensor(extra)])
+        if self.process_group is None:
+            if error is not None:
+                raise error
+            return values.tolist()
+        group = self.process_group
+        return sum_or_raise(group, values, error, "StepAccumulator", "process_group").tolist()
 
     def _fixed_step(self, it: Iterator[T]) -> AccumulatedStep[T] | None:
         taken: list[T] = []

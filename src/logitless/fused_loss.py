@@ -6,13 +6,14 @@ head matmuls). Here, the gradient of the loss with respect to each row's log-pro
 is taken while that row chunk's logits are still in memory, so the head costs three matmuls
 and one ``[chunk, V]`` buffer; only the gradients (dW, dh, db) live until ``backward()``.
 
-Which losses allow that: a loss is *token-local* when the gradient for a token depends only on
-that token's own log-prob (PPO clip, CISPO, SAPO, REINFORCE, DPPO, KL, entropy bonus, every
-aggregation, and the mismatch corrections, whose weights come from old vs rollout log-probs).
-Sequence-level ratios (GSPO's ``ratio_level="sequence"``, GMPO) and sequence masks on the
-current ratio (``ratio_seq_mask``) need whole-document sums
-before any token's gradient is known: they get a cheap no-grad pass first (one matmul), then
-the same gradient pass, so documents may span chunks freely.
+Which losses allow that is decided in one place, ``PolicyLossConfig.is_token_local``: the
+gradient for a token depends only on that token's own log-prob (PPO clip, CISPO, SAPO,
+REINFORCE, DPPO, KL, entropy bonus, every aggregation, and the mismatch corrections, whose
+weights come from old vs rollout log-probs). Sequence-level ratios (GSPO's
+``ratio_level="sequence"``, GMPO) and sequence masks on the current ratio (``ratio_seq_mask``)
+need whole-document sums before any token's gradient is known: they get a cheap no-grad pass
+first (one matmul), then the same gradient pass, so documents may span chunks freely. (The
+Triton backend always runs the statistics first, see its module.)
 """
 
 from __future__ import annotations
@@ -20,19 +21,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._validate import check_chunk_size, check_head_call
-from .distributed import VocabParallel
+from ._validate import HeadArgs, check_chunk_size, check_head_call
 from .kernels import Backend, Rows, backend_module, head_options, kernel_labels, select_rows
-from .losses import DocumentStats, LossNormalizer, PolicyLossConfig, document_stats, policy_loss
-
-
-def is_token_local(config: PolicyLossConfig) -> bool:
-    """True when each token's loss gradient depends on its own log-prob only (see module doc)."""
-    return (
-        config.ratio_level == "token"
-        and config.surrogate != "gmpo"
-        and config.ratio_seq_mask is None  # a document's mask depends on all its tokens
-    )
+from .losses import LossNormalizer, PolicyLossConfig
+from .losses.checks import LossCall, check_config, check_policy_loss
+from .losses.policy import compute_policy_loss
+from .losses.stats import DocumentStats, compute_document_stats
+from .parallel.vocab import VocabParallel
 
 
 def fused_policy_loss(
@@ -105,8 +100,7 @@ def fused_policy_loss(
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
     """
     chunk_size = check_chunk_size(chunk_size)
-    if not isinstance(config, PolicyLossConfig):
-        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    check_config(config)
     args = check_head_call(
         hidden,
         weight,
@@ -117,74 +111,77 @@ def fused_policy_loss(
         ignore_index=ignore_index,
         head_dtype=head_dtype,
         vocab_parallel=vocab_parallel,
+        backend=backend,
     )
     if len(args.batch_shape) not in (1, 2):
         raise ValueError(
             f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "
             f"{list(args.batch_shape)}"
         )
-    _check_loss_precision(
+    with_entropy = config.entropy_coef != 0
+    mask = (args.labels != ignore_index).reshape(args.batch_shape)
+    # The loss contract, checked once before any head FLOP (one collective under context
+    # parallelism); the log-probs only lend their shape here.
+    like = torch.zeros(args.batch_shape, device=labels.device)
+    call = check_policy_loss(
+        like,
+        old_logprobs,
+        advantages,
+        mask,
+        config=config,
+        document_ids=document_ids,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        entropy=like if with_entropy else None,
+        normalizer=normalizer,
+        context_group=context_group,
+    )
+    return fused_loss_of_checked(
+        args,
+        call,
+        config=config,
         old_logprobs=old_logprobs,
         advantages=advantages,
         ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs,
+        normalizer=normalizer,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        vocab_parallel=vocab_parallel,
     )
+
+
+def fused_loss_of_checked(
+    args: HeadArgs,
+    call: LossCall,
+    *,
+    config: PolicyLossConfig,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    normalizer: LossNormalizer | None,
+    ignore_index: int,
+    chunk_size: int | None,
+    vocab_parallel: VocabParallel | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`fused_policy_loss` of arguments already checked (``check_head_call`` and
+    ``check_policy_loss``): the HF integration checks before its backbone runs, then calls
+    this, so each contract is checked once per call."""
     with_entropy = config.entropy_coef != 0
-    rows = select_rows(args, ignore_index)
     mask = (args.labels != ignore_index).reshape(args.batch_shape)
-
-    def loss_of(
-        logp_rows: torch.Tensor,
-        ent_rows: torch.Tensor | None,
-        stats: DocumentStats | None = None,
-        group: object | None = None,
-    ):
-        """policy_loss of [M] row values; ``group``: a collective call over it."""
-        return policy_loss(
-            rows.scatter(logp_rows),
-            old_logprobs,
-            advantages,
-            mask,
-            config=config,
-            document_ids=document_ids,
-            ref_logprobs=ref_logprobs,
-            rollout_logprobs=rollout_logprobs,
-            entropy=None if ent_rows is None else rows.scatter(ent_rows),
-            normalizer=normalizer,
-            context_group=group,
-            document_stats=stats,
-        )
-
-    def stats_of(logp_rows: torch.Tensor) -> DocumentStats:
-        """The call's document statistics, summed over the context group (collective)."""
-        return document_stats(
-            rows.scatter(logp_rows),
-            old_logprobs,
-            advantages,
-            mask,
-            config=config,
-            document_ids=document_ids,
-            rollout_logprobs=rollout_logprobs,
-            context_group=context_group,
-        )
-
-    # Validate the loss's own inputs (shapes, document ids, required tensors) before any head
-    # FLOP: one [N]-sized policy_loss evaluation on placeholder log-probs (under context
-    # parallelism a collective one, so a bad input on one rank raises on all).
-    placeholder = _rows_of(old_logprobs, rows).detach().float()
-    placeholder_ent = torch.zeros_like(placeholder) if with_entropy else None
-    with torch.no_grad():
-        loss_of(placeholder, placeholder_ent, group=context_group)
-
-    tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
-    vp = vocab_parallel
-    # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
-    kernel_inputs = (
-        rows.hidden.detach(),
-        weight.detach(),
-        None if bias is None else bias.detach(),
-        kernel_labels(rows, vp),
-        rows.temperature,
+    rows = select_rows(args, ignore_index)
+    weight, bias = args.weight, args.bias
+    loss_fn = _RowLoss(
+        call,
+        rows,
+        mask,
+        config,
+        old_logprobs,
+        advantages,
+        ref_logprobs,
+        rollout_logprobs,
+        normalizer,
     )
 
     def options(fused: bool):
@@ -193,10 +190,18 @@ def fused_policy_loss(
             rows,
             with_entropy,
             chunk_size=chunk_size,
-            backend=backend,
-            vocab_parallel=vp,
+            vocab_parallel=vocab_parallel,
             fused=fused,
         )
+
+    # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
+    kernel_inputs = (
+        rows.hidden.detach(),
+        weight.detach(),
+        None if bias is None else bias.detach(),
+        kernel_labels(rows, vocab_parallel),
+        rows.temperature,
+    )
 
     def no_grad_pass() -> tuple[torch.Tensor, torch.Tensor | None]:
         opts = options(fused=False)
@@ -204,36 +209,26 @@ def fused_policy_loss(
             logp, _, ent, _ = backend_module(opts).forward_rows(*kernel_inputs, opts)
         return logp, ent
 
+    tracked = (args.hidden, weight) if bias is None else (args.hidden, weight, bias)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
-        return loss_of(*no_grad_pass(), group=context_group)
+        return loss_fn.evaluate(*no_grad_pass(), reduce_metrics=True)
 
-    # Context parallelism: the document statistics are summed over the group once, here;
-    # every later evaluation reuses them and issues no collective, whatever the chunk count.
-    stats = None
-    if is_token_local(config):
+    grouped = call.group is not None
+    if config.is_token_local:
         # Each chunk's gradient comes from the loss with the other rows at any finite value
-        # (old log-probs: ratio 1); token-locality makes it exact (and the statistics of a
-        # token-local loss do not depend on log π_θ, so the placeholder gives the right ones).
-        if context_group is not None:
-            with torch.no_grad():
-                stats = stats_of(placeholder)
-
-        def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
-            """d loss / d (logp, entropy) of rows [r0, r1), the other rows held fixed."""
-            full_lp = torch.cat([placeholder[:r0], logp_c, placeholder[r1:]])
-            full_ent = None
-            if ent_c is not None:
-                full_ent = torch.cat([placeholder_ent[:r0], ent_c, placeholder_ent[r1:]])
-            g, e = _loss_grads(loss_of, full_lp, full_ent, stats)
-            return g[r0:r1], None if e is None else e[r0:r1]
+        # (old log-probs: ratio 1); token-locality makes it exact, and the document statistics
+        # of a token-local loss do not depend on log π_θ, so the placeholder gives the right
+        # ones (summed over the context group once, here).
+        placeholder = rows.gather(old_logprobs).detach().float()  # [M]
+        placeholder_ent = torch.zeros_like(placeholder) if with_entropy else None
+        stats = loss_fn.stats(placeholder) if grouped else None
+        grad_fn = loss_fn.chunk_grad_fn(placeholder, placeholder_ent, stats)
     else:
         # Sequence-level statistics need every row: a no-grad pass gives the exact log-probs,
         # and one evaluation of the loss gives every row's gradient.
         prefill, prefill_ent = no_grad_pass()
-        if context_group is not None:
-            with torch.no_grad():
-                stats = stats_of(prefill)
-        g_all, e_all = _loss_grads(loss_of, prefill, prefill_ent, stats)
+        stats = loss_fn.stats(prefill) if grouped else None
+        g_all, e_all = loss_fn.grads(prefill, prefill_ent, stats)
 
         def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
             return g_all[r0:r1], None if e_all is None else e_all[r0:r1]
@@ -246,47 +241,85 @@ def fused_policy_loss(
     opts = options(fused=True)
     logp, ent, grads = backend_module(opts).fused_rows(*kernel_inputs, opts, grad_fn, needs)
     with torch.no_grad():
-        loss, metrics = loss_of(logp, ent, stats, context_group)
+        loss, metrics = loss_fn.evaluate(logp, ent, stats, reduce_metrics=True)
     loss = _StoredGradients.apply(loss, _GradStore(grads), rows.hidden, weight, bias)
     return loss, metrics
 
 
-def _check_loss_precision(**tensors: torch.Tensor | None) -> None:
-    """Loss inputs must be fp32/fp64: a bf16 log-prob of -5 is off by up to 0.016, i.e. a 1.6%
-    error in the importance ratio (FSDP2's MixedPrecisionPolicy casts forward arguments to
-    bf16 unless cast_forward_inputs=False)."""
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"{name} must be float32 or float64, got {t.dtype}: 16-bit log-probs and "
-                "advantages make the importance ratio wrong by percents. Keep them in fp32 (with "
-                "FSDP2 mixed precision: MixedPrecisionPolicy(..., cast_forward_inputs=False))"
+class _RowLoss:
+    """The policy loss of a checked call as a function of the valid rows' log-probs ``[M]``
+    (and entropy ``[M]``): what the head's gradient pass needs of the loss."""
+
+    def __init__(
+        self, call, rows: Rows, mask, config, old, advantages, ref, rollout, normalizer
+    ) -> None:
+        self.call, self.rows, self.mask, self.config = call, rows, mask, config
+        self.old, self.advantages, self.ref, self.rollout = old, advantages, ref, rollout
+        self.normalizer = normalizer
+
+    def evaluate(
+        self,
+        logp: torch.Tensor,
+        ent: torch.Tensor | None,
+        stats: DocumentStats | None = None,
+        reduce_metrics: bool = False,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, metrics)``; collectives only with ``reduce_metrics`` (and no ``stats``)."""
+        return compute_policy_loss(
+            self.call,
+            self.rows.scatter(logp),
+            self.old,
+            self.advantages,
+            self.mask,
+            config=self.config,
+            ref_logprobs=self.ref,
+            rollout_logprobs=self.rollout,
+            entropy=None if ent is None else self.rows.scatter(ent),
+            normalizer=self.normalizer,
+            document_stats=stats,
+            reduce_metrics=reduce_metrics,
+        )
+
+    def stats(self, logp: torch.Tensor) -> DocumentStats:
+        """The call's document statistics at these log-probs (summed over the context group)."""
+        with torch.no_grad():
+            return compute_document_stats(
+                self.call,
+                self.config,
+                self.rows.scatter(logp),
+                self.old,
+                self.advantages,
+                self.mask,
+                self.rollout,
             )
 
+    def grads(self, logp: torch.Tensor, ent: torch.Tensor | None, stats=None):
+        """d loss / d logp [M] and d loss / d entropy [M] (None without entropy)."""
+        with torch.enable_grad():
+            lp = logp.detach().requires_grad_()
+            en = None if ent is None else ent.detach().requires_grad_()
+            loss, _ = self.evaluate(lp, en, stats)
+            inputs = [lp] if en is None else [lp, en]
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        g = grads[0] if grads[0] is not None else torch.zeros_like(lp)
+        e = None
+        if en is not None:
+            e = grads[1] if grads[1] is not None else torch.zeros_like(en)
+        return g, e
 
-def _loss_grads(loss_of, logp: torch.Tensor, ent: torch.Tensor | None, stats=None):
-    """d loss / d logp [M] and d loss / d entropy [M] (None without entropy); no collective."""
-    with torch.enable_grad():
-        lp = logp.detach().requires_grad_()
-        en = None if ent is None else ent.detach().requires_grad_()
-        loss, _ = loss_of(lp, en, stats)
-        inputs = [lp] if en is None else [lp, en]
-        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    g = grads[0] if grads[0] is not None else torch.zeros_like(lp)
-    e = None
-    if en is not None:
-        e = grads[1] if grads[1] is not None else torch.zeros_like(en)
-    return g, e
+    def chunk_grad_fn(self, placeholder, placeholder_ent, stats):
+        """``grad_fn(r0, r1, logp_c, ent_c)`` of a token-local loss: the gradient of rows
+        ``[r0, r1)`` with every other row held at the placeholder."""
 
+        def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
+            full_lp = torch.cat([placeholder[:r0], logp_c, placeholder[r1:]])
+            full_ent = None
+            if ent_c is not None:
+                full_ent = torch.cat([placeholder_ent[:r0], ent_c, placeholder_ent[r1:]])
+            g, e = self.grads(full_lp, full_ent, stats)
+            return g[r0:r1], None if e is None else e[r0:r1]
 
-def _rows_of(values: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """[M] entries of a per-token tensor shaped like labels, at the valid rows."""
-    if not isinstance(values, torch.Tensor) or values.shape != rows.batch_shape:
-        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-        raise ValueError(
-            f"old_logprobs must be a tensor of labels' shape {list(rows.batch_shape)}, got {got}"
-        )
-    return rows.gather(values)
+        return grad_fn
 
 
 class _GradStore:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from ._validate import check_chunk_size, check_flag, check_head_call
-from .distributed import VocabParallel
+from ._checks import check_flag
+from ._validate import HeadArgs, check_chunk_size, check_head_call
 from .kernels import (
     Backend,
     LinearLogprobsFunction,
@@ -15,6 +14,7 @@ from .kernels import (
     kernel_labels,
     select_rows,
 )
+from .parallel.vocab import VocabParallel
 from .types import LogProbs
 
 
@@ -66,7 +66,7 @@ def linear_logprobs(
         vocab_parallel: a :class:`~logitless.VocabParallel` when the head is split over a
             tensor-parallel group: ``weight``/``bias`` are then this rank's rows of the
             vocabulary, labels stay global ids, and every rank gets the same outputs (a
-            collective call; see :mod:`logitless.distributed`).
+            collective call; see :mod:`logitless.parallel`).
         backend: which kernels run the call: ``"torch"`` (bounded fp32 tiles and torch
             matmuls; any device), ``"triton"`` (Triton kernels that keep the logits in
             registers; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for
@@ -104,18 +104,34 @@ def linear_logprobs(
         ignore_index=ignore_index,
         head_dtype=head_dtype,
         vocab_parallel=vocab_parallel,
-    )
-    rows = select_rows(args, ignore_index)
-    opts = head_options(
-        args,
-        rows,
-        with_entropy,
-        chunk_size=chunk_size,
         backend=backend,
+    )
+    return logprobs_of_checked(
+        args,
+        with_entropy=with_entropy,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
         vocab_parallel=vocab_parallel,
     )
+
+
+def logprobs_of_checked(
+    args: HeadArgs,
+    *,
+    with_entropy: bool,
+    ignore_index: int,
+    chunk_size: int | None,
+    vocab_parallel: VocabParallel | None,
+) -> LogProbs:
+    """:func:`linear_logprobs` of arguments already checked by ``check_head_call`` (the HF
+    integration checks before its backbone runs, then calls this: one check, one sync)."""
+    rows = select_rows(args, ignore_index)
+    opts = head_options(
+        args, rows, with_entropy, chunk_size=chunk_size, vocab_parallel=vocab_parallel
+    )
     labels_k = kernel_labels(rows, vocab_parallel)
-    tracked = (hidden, weight) if bias is None else (hidden, weight, bias)
+    weight, bias = args.weight, args.bias
+    tracked = (args.hidden, weight) if bias is None else (args.hidden, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
         out = LinearLogprobsFunction.apply(
             rows.hidden, weight, bias, labels_k, rows.temperature, opts
@@ -126,65 +142,3 @@ def linear_logprobs(
             rows.hidden, weight, bias, labels_k, rows.temperature, opts
         )
     return LogProbs(rows.scatter(logp), None if ent is None else rows.scatter(ent))
-
-
-class LinearLogprobs(nn.Module):
-    """Thin module form of :func:`linear_logprobs`: stores the options, owns no weight.
-
-    ``LinearLogprobs(with_entropy=True)(hidden, weight, labels)`` equals
-    ``linear_logprobs(hidden, weight, labels, with_entropy=True)``.
-    """
-
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        softcap: float | None = None,
-        with_entropy: bool = False,
-        ignore_index: int = -100,
-        chunk_size: int | None = None,
-        head_dtype: torch.dtype | None = None,
-        vocab_parallel: VocabParallel | None = None,
-        backend: Backend = "auto",
-    ) -> None:
-        super().__init__()
-        self.temperature = temperature
-        self.softcap = softcap
-        self.with_entropy = with_entropy
-        self.ignore_index = ignore_index
-        self.chunk_size = chunk_size
-        self.head_dtype = head_dtype
-        self.vocab_parallel = vocab_parallel
-        self.backend = backend
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        temperature: float | torch.Tensor | None = None,
-    ) -> LogProbs:
-        """Per-call ``temperature`` (e.g. a per-token tensor) overrides the stored one."""
-        return linear_logprobs(
-            hidden,
-            weight,
-            labels,
-            bias=bias,
-            temperature=self.temperature if temperature is None else temperature,
-            softcap=self.softcap,
-            with_entropy=self.with_entropy,
-            ignore_index=self.ignore_index,
-            chunk_size=self.chunk_size,
-            head_dtype=self.head_dtype,
-            vocab_parallel=self.vocab_parallel,
-            backend=self.backend,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"temperature={self.temperature}, softcap={self.softcap}, "
-            f"with_entropy={self.with_entropy}, chunk_size={self.chunk_size}, "
-            f"head_dtype={self.head_dtype}, backend={self.backend!r}"
-            + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
-        )

@@ -28,40 +28,101 @@ another), so the embedding lookup would get no unshard hook.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ._checks import check_full_precision
 from ._validate import _is_dtensor
-from .distributed import VocabParallel
 from .fused_loss import fused_policy_loss
 from .head import linear_logprobs
 from .kernels import Backend
 from .losses import LossNormalizer, PolicyLossConfig
+from .losses.checks import check_config
+from .parallel.vocab import VocabParallel
 from .types import LogProbs
 
-__all__ = ["LogprobHead", "PolicyLossHead"]
+__all__ = ["HeadOptions", "LinearLogprobs", "LogprobHead", "PolicyLossHead"]
 
 
-def _check_full_precision(owner: str, **values: object) -> None:
-    """Loss inputs (log-probs, advantages, counts, temperatures) must be fp32 or fp64.
+@dataclass(frozen=True)
+class HeadOptions:
+    """The head options a module stores once and passes to every call (the same names and
+    meanings as in :func:`~logitless.linear_logprobs`); ``repr`` lists them."""
 
-    In 16 bits they lose two to three significant digits: a bf16 log-prob of -5 is off by up to
-    0.016, so the ratio is off by 1.6%. The usual source is FSDP2's ``MixedPrecisionPolicy``,
-    which casts every floating tensor argument of a sharded module's forward (recursing into
-    dataclasses such as :class:`~logitless.LossNormalizer`) to ``param_dtype``.
+    temperature: float = 1.0
+    softcap: float | None = None
+    ignore_index: int = -100
+    chunk_size: int | None = None
+    head_dtype: torch.dtype | None = None
+    vocab_parallel: VocabParallel | None = None
+    backend: Backend = "auto"
+
+    def call_kwargs(self, temperature: float | torch.Tensor | None) -> dict:
+        """Keyword arguments of one call; a per-call ``temperature`` overrides the stored one."""
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if temperature is not None:
+            kwargs["temperature"] = temperature
+        return kwargs
+
+    def describe(self) -> str:
+        """``name=value`` pairs for ``extra_repr`` (unset vocab_parallel left out)."""
+        pairs = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if not (f.name == "vocab_parallel" and self.vocab_parallel is None)
+        ]
+        return ", ".join(pairs)
+
+
+class LinearLogprobs(nn.Module):
+    """Thin module form of :func:`~logitless.linear_logprobs`: stores the options, owns no
+    weight. ``LinearLogprobs(with_entropy=True)(hidden, weight, labels)`` equals
+    ``linear_logprobs(hidden, weight, labels, with_entropy=True)``; a per-call ``temperature``
+    (e.g. a per-token tensor) overrides the stored one.
     """
-    for name, value in values.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.itemsize < 4:
-            raise ValueError(
-                f"{owner}: {name} must be float32 or float64, got {value.dtype} (16-bit "
-                f"log-probs, advantages, counts and temperatures are off in the 3rd digit). If "
-                f"FSDP2 cast it: MixedPrecisionPolicy casts every floating tensor argument of a "
-                f"sharded module's forward to param_dtype; shard the head (and any module "
-                f"whose forward passes these on) with MixedPrecisionPolicy(..., "
-                f"cast_forward_inputs=False); head_dtype= sets the projection's dtype."
-            )
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        softcap: float | None = None,
+        with_entropy: bool = False,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+        head_dtype: torch.dtype | None = None,
+        vocab_parallel: VocabParallel | None = None,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        self.with_entropy = with_entropy
+        self.options = HeadOptions(
+            temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        temperature: float | torch.Tensor | None = None,
+    ) -> LogProbs:
+        """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
+        return linear_logprobs(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            with_entropy=self.with_entropy,
+            **self.options.call_kwargs(temperature),
+        )
+
+    def extra_repr(self) -> str:
+        return f"with_entropy={self.with_entropy}, {self.options.describe()}"
 
 
 class _SharedHeadWeight(nn.Module):
@@ -226,14 +287,10 @@ class LogprobHead(_SharedHeadWeight):
         backend: Backend = "auto",
     ) -> None:
         super().__init__(source)
-        self.backend = backend
-        self.temperature = temperature
-        self.softcap = softcap
         self.with_entropy = with_entropy
-        self.ignore_index = ignore_index
-        self.chunk_size = chunk_size
-        self.head_dtype = head_dtype
-        self.vocab_parallel = vocab_parallel
+        self.options = HeadOptions(
+            temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
+        )
 
     def forward(
         self,
@@ -243,20 +300,14 @@ class LogprobHead(_SharedHeadWeight):
     ) -> LogProbs:
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
         weight, bias = self._current_parameters()
-        _check_full_precision(type(self).__name__, temperature=temperature)
+        check_full_precision(temperature=temperature)
         out = linear_logprobs(
             hidden,
             weight,
             labels,
             bias=bias,
-            temperature=self.temperature if temperature is None else temperature,
-            softcap=self.softcap,
             with_entropy=self.with_entropy,
-            ignore_index=self.ignore_index,
-            chunk_size=self.chunk_size,
-            head_dtype=self.head_dtype,
-            vocab_parallel=self.vocab_parallel,
-            backend=self.backend,
+            **self.options.call_kwargs(temperature),
         )
         # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
         # output that is a view would drop it (torch warns about views). [N]-sized copies.
@@ -266,11 +317,7 @@ class LogprobHead(_SharedHeadWeight):
         vocab, dim = self.weight.shape
         return (
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, "
-            f"temperature={self.temperature}, softcap={self.softcap}, "
-            f"with_entropy={self.with_entropy}, ignore_index={self.ignore_index}, "
-            f"chunk_size={self.chunk_size}, head_dtype={self.head_dtype}, "
-            f"backend={self.backend!r}"
-            + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
+            f"with_entropy={self.with_entropy}, {self.options.describe()}"
         )
 
 
@@ -335,19 +382,15 @@ class PolicyLossHead(_SharedHeadWeight):
         vocab_parallel: VocabParallel | None = None,
         backend: Backend = "auto",
     ) -> None:
-        if not isinstance(config, PolicyLossConfig):
-            raise ValueError(
-                f"PolicyLossHead: config must be a PolicyLossConfig, got {type(config).__name__}"
-            )
+        try:
+            check_config(config)
+        except ValueError as e:
+            raise ValueError(f"PolicyLossHead: {e}") from None
         super().__init__(source)
         self.config = config
-        self.temperature = temperature
-        self.softcap = softcap
-        self.head_dtype = head_dtype
-        self.chunk_size = chunk_size
-        self.ignore_index = ignore_index
-        self.vocab_parallel = vocab_parallel
-        self.backend = backend
+        self.options = HeadOptions(
+            temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
+        )
 
     def forward(
         self,
@@ -364,22 +407,6 @@ class PolicyLossHead(_SharedHeadWeight):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metrics)`` of :func:`~logitless.fused_policy_loss` with this head's weight."""
         weight, bias = self._current_parameters()
-        _check_full_precision(
-            type(self).__name__,
-            old_logprobs=old_logprobs,
-            advantages=advantages,
-            ref_logprobs=ref_logprobs,
-            rollout_logprobs=rollout_logprobs,
-            temperature=temperature,
-            **(
-                {}
-                if not isinstance(normalizer, LossNormalizer)
-                else {
-                    "normalizer.num_tokens": normalizer.num_tokens,
-                    "normalizer.num_sequences": normalizer.num_sequences,
-                }
-            ),
-        )
         return fused_policy_loss(
             hidden,
             weight,
@@ -388,25 +415,16 @@ class PolicyLossHead(_SharedHeadWeight):
             advantages,
             config=self.config,
             bias=bias,
-            temperature=self.temperature if temperature is None else temperature,
-            softcap=self.softcap,
-            head_dtype=self.head_dtype,
-            chunk_size=self.chunk_size,
-            ignore_index=self.ignore_index,
             document_ids=document_ids,
             ref_logprobs=ref_logprobs,
             rollout_logprobs=rollout_logprobs,
             normalizer=normalizer,
-            vocab_parallel=self.vocab_parallel,
-            backend=self.backend,
+            **self.options.call_kwargs(temperature),
         )
 
     def extra_repr(self) -> str:
         vocab, dim = self.weight.shape
         return (
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, config={self.config}, "
-            f"temperature={self.temperature}, softcap={self.softcap}, "
-            f"head_dtype={self.head_dtype}, chunk_size={self.chunk_size}, "
-            f"ignore_index={self.ignore_index}, backend={self.backend!r}"
-            + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
+            f"{self.options.describe()}"
         )

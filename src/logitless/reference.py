@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_chunk_size, check_flag, check_head_args
+from ._checks import check_flag
+from ._validate import check_chunk_size, check_head_args
 from .types import LogProbs
 
 

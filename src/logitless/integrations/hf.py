@@ -35,16 +35,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from .._validate import check_chunk_size, check_head_args
-from ..fused_loss import fused_policy_loss
-from ..head import linear_logprobs
-from ..kernels import Backend, resolve_backend
-from ..losses import LossNormalizer, PolicyLossConfig, policy_loss
+from .._checks import check_flag
+from .._checks import fmt_shape as _shape
+from .._validate import HeadArgs, check_chunk_size, check_head_args, with_hidden
+from ..fused_loss import fused_loss_of_checked
+from ..head import logprobs_of_checked
+from ..kernels import Backend
+from ..losses import LossNormalizer, PolicyLossConfig
+from ..losses.checks import check_config, check_policy_loss
 from ..packing import (
     cu_seqlens_to_position_ids,
     next_token_labels,
@@ -225,10 +229,6 @@ def _backbone(model: nn.Module) -> nn.Module:
 # input checks
 
 
-def _shape(t: torch.Tensor) -> str:
-    return f"[{', '.join(str(s) for s in t.shape)}]"
-
-
 def _check_input_ids(input_ids: object) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -279,6 +279,35 @@ def _check_attention_mask(attention_mask: object, input_ids: torch.Tensor) -> to
     return mask.bool()
 
 
+def _check_model_inputs(
+    input_ids: object,
+    attention_mask: object,
+    position_ids: object,
+    cu_seqlens: object,
+    response_mask: object,
+    ignore_index: object,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model-input contract (types, shapes, dtypes, mask values, one packing description),
+    checked without building labels; returns input_ids and the bool attention mask (or None)."""
+    input_ids = _check_input_ids(input_ids)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    mask = None if attention_mask is None else _check_attention_mask(attention_mask, input_ids)
+    if position_ids is not None:
+        _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
+    if response_mask is not None:
+        _check_like_ids("response_mask", response_mask, input_ids, (torch.bool,))
+    if cu_seqlens is not None:
+        if position_ids is not None:
+            raise ValueError("give cu_seqlens or position_ids, not both")
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"cu_seqlens describes one packed row: input_ids must have shape [1, T], got "
+                f"{_shape(input_ids)}; for several rows pass position_ids restarting at 0"
+            )
+    return input_ids, mask
+
+
 def causal_lm_labels(
     input_ids: torch.Tensor,
     *,
@@ -315,22 +344,10 @@ def causal_lm_labels(
     ...                  response_mask=torch.tensor([[0, 0, 0, 0, 1, 1]]).bool())
     tensor([[-100, -100, -100,    7,    8, -100]])
     """
-    input_ids = _check_input_ids(input_ids)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    mask = None if attention_mask is None else _check_attention_mask(attention_mask, input_ids)
-    if position_ids is not None:
-        _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
-    if response_mask is not None:
-        _check_like_ids("response_mask", response_mask, input_ids, (torch.bool,))
+    input_ids, mask = _check_model_inputs(
+        input_ids, attention_mask, position_ids, cu_seqlens, response_mask, ignore_index
+    )
     if cu_seqlens is not None:
-        if position_ids is not None:
-            raise ValueError("give cu_seqlens or position_ids, not both")
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"cu_seqlens describes one packed row: input_ids must have shape [1, T], got "
-                f"{_shape(input_ids)}; for several rows pass position_ids restarting at 0"
-            )
         labels = next_token_labels(input_ids, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
     elif position_ids is not None:
         pos = position_ids if mask is None else position_ids.masked_fill(~mask, -1)
@@ -384,6 +401,15 @@ def _effective_temperature(
     return float(temperature) / logit_scale
 
 
+class _Prepared(NamedTuple):
+    """A checked call: the head, the head contract's arguments (on a placeholder of the hidden
+    states, swapped for the real ones after the backbone) and the projection dtype."""
+
+    head: CausalLMHead
+    args: HeadArgs
+    head_dtype: torch.dtype | None
+
+
 def _prepare(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -399,8 +425,9 @@ def _prepare(
     ignore_index: int,
     backend: object,
     model_kwargs: dict[str, Any],
-) -> tuple[CausalLMHead, torch.Tensor, float | torch.Tensor, torch.dtype | None]:
-    """Every check that needs no FLOP: model, inputs, labels, head options."""
+) -> _Prepared:
+    """Every check that needs no FLOP, before the backbone runs: model, inputs, labels, and the
+    head contract (one check: label range, temperature, dtypes, devices, backend)."""
     check_chunk_size(chunk_size)
     head = causal_lm_head(model)
     _backbone(model)
@@ -428,20 +455,12 @@ def _prepare(
         if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
             got = _shape(labels) if isinstance(labels, torch.Tensor) else type(labels).__name__
             raise ValueError(f"labels must have input_ids' shape {_shape(input_ids)}, got {got}")
-        # Still validate the model inputs the backbone will get.
-        causal_lm_labels(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cu_seqlens=cu_seqlens,
-            ignore_index=ignore_index,
-        )
+        # The model inputs the backbone will get.
+        _check_model_inputs(input_ids, attention_mask, position_ids, cu_seqlens, None, ignore_index)
     temperature = _effective_temperature(temperature, head.logit_scale)
     head_dtype = _head_dtype(head_dtype, head.weight.device)
-    # The head op's own checks (label range, temperature, dtypes, devices) on a placeholder of
-    # the hidden states' shape, so that bad input fails before the backbone runs.
     placeholder = head.weight.new_zeros(()).detach().expand(*labels.shape, head.weight.shape[1])
-    check_head_args(
+    args = check_head_args(
         placeholder,
         head.weight,
         labels,
@@ -450,9 +469,9 @@ def _prepare(
         softcap=head.softcap,
         ignore_index=ignore_index,
         head_dtype=head_dtype,
+        backend=backend,
     )
-    resolve_backend(backend, head.weight.device, head_dtype or head.weight.dtype)
-    return head, labels, temperature, head_dtype
+    return _Prepared(head, args, head_dtype)
 
 
 def causal_lm_hidden_states(
@@ -555,9 +574,8 @@ def causal_lm_logprobs(
     (torch.Size([2, 6]), True)
     >>> out.logprobs.sum().backward()                # gradients reach every model parameter
     """
-    if not isinstance(with_entropy, bool):
-        raise ValueError(f"with_entropy must be a bool, got {with_entropy!r}")
-    head, labels, temperature, head_dtype = _prepare(
+    check_flag("with_entropy", with_entropy)
+    prep = _prepare(
         model,
         input_ids,
         labels=labels,
@@ -580,18 +598,12 @@ def causal_lm_logprobs(
         **model_kwargs,
     )
     with torch.autocast(hidden.device.type, enabled=False):
-        return linear_logprobs(
-            hidden,
-            head.weight,
-            labels,
-            bias=head.bias,
-            temperature=temperature,
-            softcap=head.softcap,
+        return logprobs_of_checked(
+            with_hidden(prep.args, hidden, prep.head_dtype),
             with_entropy=with_entropy,
             ignore_index=ignore_index,
             chunk_size=chunk_size,
-            head_dtype=head_dtype,
-            backend=backend,
+            vocab_parallel=None,
         )
 
 
@@ -711,9 +723,8 @@ def causal_lm_policy_loss(
     ...     config=logitless.PolicyLossConfig(), response_mask=response)
     >>> loss.backward()
     """
-    if not isinstance(config, PolicyLossConfig):
-        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    head, labels, temperature, head_dtype = _prepare(
+    check_config(config)
+    prep = _prepare(
         model,
         input_ids,
         labels=labels,
@@ -728,38 +739,34 @@ def causal_lm_policy_loss(
         backend=backend,
         model_kwargs=model_kwargs,
     )
+    args = prep.args
+    labels = args.labels.reshape(args.batch_shape)
     document_ids = _document_ids(document_ids, attention_mask, position_ids, cu_seqlens, input_ids)
     if document_ids is not None:
         # Sequences are documents, not rows: the loss sees the flat [N] token stream, where
         # per-sequence advantages are one per document id (policy_loss's packed form).
         flat = _Flattener(labels.shape)
-        labels = flat("labels", labels)
         old_logprobs = flat("old_logprobs", old_logprobs)
         advantages = flat("advantages", advantages, per_sequence_ok=True)
         document_ids = flat("document_ids", document_ids)
         ref_logprobs = flat("ref_logprobs", ref_logprobs)
         rollout_logprobs = flat("rollout_logprobs", rollout_logprobs)
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature.expand(flat.shape).reshape(-1)
-    loss_kwargs = dict(
+        args = replace(args, batch_shape=torch.Size([labels.numel()]))
+        labels = labels.reshape(-1)
+    # The loss contract, checked once before the backbone; the log-probs lend their shape.
+    like = torch.zeros(labels.shape, device=labels.device)
+    call = check_policy_loss(
+        like,
+        old_logprobs,
+        advantages,
+        labels != ignore_index,
         config=config,
         document_ids=document_ids,
         ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs,
+        entropy=like if config.entropy_coef != 0 else None,
         normalizer=normalizer,
     )
-    # The loss's own checks (shapes, document ids, required tensors) before the backbone: one
-    # [B, T]-sized evaluation on placeholder log-probs.
-    placeholder = torch.zeros(labels.shape, device=labels.device)
-    with torch.no_grad():
-        policy_loss(
-            placeholder,
-            old_logprobs,
-            advantages,
-            labels != ignore_index,
-            entropy=placeholder if config.entropy_coef != 0 else None,
-            **loss_kwargs,
-        )
     hidden = causal_lm_hidden_states(
         model,
         input_ids,
@@ -767,21 +774,18 @@ def causal_lm_policy_loss(
         position_ids=_model_position_ids(position_ids, cu_seqlens, input_ids.shape[1]),
         **model_kwargs,
     )
-    if document_ids is not None:
-        hidden = hidden.reshape(-1, hidden.shape[-1])
+    hidden = hidden.reshape(*args.batch_shape, hidden.shape[-1])
     with torch.autocast(hidden.device.type, enabled=False):
-        return fused_policy_loss(
-            hidden,
-            head.weight,
-            labels,
-            old_logprobs,
-            advantages,
-            bias=head.bias,
-            temperature=temperature,
-            softcap=head.softcap,
-            head_dtype=head_dtype,
-            chunk_size=chunk_size,
+        return fused_loss_of_checked(
+            with_hidden(args, hidden, prep.head_dtype),
+            call,
+            config=config,
+            old_logprobs=old_logprobs,
+            advantages=advantages,
+            ref_logprobs=ref_logprobs,
+            rollout_logprobs=rollout_logprobs,
+            normalizer=normalizer,
             ignore_index=ignore_index,
-            backend=backend,
-            **loss_kwargs,
+            chunk_size=chunk_size,
+            vocab_parallel=None,
         )

@@ -15,18 +15,18 @@ choice travels in :class:`~.options.HeadOptions` and :func:`backend_module` disp
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._validate import HeadArgs
-from ..distributed import VocabParallel
-from .options import Backend, HeadOptions, Schedule
+from ..parallel.vocab import VocabParallel
+from .options import Backend, HeadOptions, Schedule, resolve_backend
 from .rows import Rows, kernel_labels, select_rows
+
+if TYPE_CHECKING:
+    from .._validate import HeadArgs
 
 __all__ = [
     "Backend",
@@ -40,54 +40,6 @@ __all__ = [
     "resolve_backend",
     "select_rows",
 ]
-
-_BACKENDS = ("auto", "triton", "torch")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def resolve_backend(backend: object, device: torch.device, head_dtype: torch.dtype) -> str:
-    """The backend that runs a call: ``"torch"`` or ``"triton"``.
-
-    ``"auto"`` picks Triton on CUDA when it is installed and the head runs in 16 bits (where it
-    was measured faster, see the README's GPU section), the torch tiles otherwise; it never
-    picks Triton on CPU. ``"triton"`` on a CPU tensor needs Triton's interpreter
-    (``TRITON_INTERPRET=1`` set before the first call); anything else raises ``ValueError``.
-    """
-    if not isinstance(backend, str) or backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if backend == "auto":
-        fast = device.type == "cuda" and head_dtype in (torch.bfloat16, torch.float16)
-        return "triton" if fast and _triton_installed() else "torch"
-    if not _triton_installed():
-        raise ValueError(
-            "backend='triton' needs the triton package (pip install triton; CUDA builds of "
-            "torch ship it), or use backend='torch'"
-        )
-    if device.type == "cuda" and not _interpreting():
-        return "triton"
-    if device.type == "cpu":
-        if _interpreting():
-            return "triton"
-        raise ValueError(
-            "backend='triton' on CPU tensors runs the kernels in Triton's interpreter, which "
-            "is off: set the environment variable TRITON_INTERPRET=1 before the first call "
-            "(slow; meant for tests), move the tensors to a CUDA device, or use "
-            "backend='torch'"
-        )
-    raise ValueError(
-        f"backend='triton' runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1), got "
-        f"tensors on {device}; use backend='torch'"
-    )
 
 
 def backend_module(opts: HeadOptions) -> ModuleType:
@@ -108,11 +60,10 @@ def head_options(
     with_entropy: bool,
     *,
     chunk_size: int | None,
-    backend: object = "auto",
     vocab_parallel: VocabParallel | None = None,
     fused: bool = False,
 ) -> HeadOptions:
-    """Kernel options of a validated call.
+    """Kernel options of a validated call (its backend was resolved by the checks).
 
     ``fused``: the gradient-in-forward path, whose torch row chunk keeps all V logits. Under
     vocab parallelism the torch schedule is sized by the largest shard, so every rank cuts the
@@ -129,7 +80,7 @@ def head_options(
         head_dtype=args.head_dtype,
         schedule=choose(rows.labels.numel(), vocab, args.weight.device, chunk_size),
         vocab_parallel=vocab_parallel,
-        backend=resolve_backend(backend, args.weight.device, args.head_dtype),
+        backend=args.backend,
         chunk_size=chunk_size,
     )
 

@@ -2,14 +2,66 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from ..distributed import VocabParallel
+from ..parallel.vocab import VocabParallel
 
 Backend = Literal["auto", "triton", "torch"]
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: object, device: torch.device, head_dtype: torch.dtype) -> str:
+    """The backend that runs a call: ``"torch"`` or ``"triton"``.
+
+    ``"auto"`` picks Triton on CUDA when it is installed and the head runs in 16 bits (where it
+    was measured faster, see the README's GPU section), the torch tiles otherwise; it never
+    picks Triton on CPU. ``"triton"`` on a CPU tensor needs Triton's interpreter
+    (``TRITON_INTERPRET=1`` set before the first call); anything else raises ``ValueError``.
+    """
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        fast = device.type == "cuda" and head_dtype in (torch.bfloat16, torch.float16)
+        return "triton" if fast and _triton_installed() else "torch"
+    if not _triton_installed():
+        raise ValueError(
+            "backend='triton' needs the triton package (pip install triton; CUDA builds of "
+            "torch ship it), or use backend='torch'"
+        )
+    if device.type == "cuda" and not _interpreting():
+        return "triton"
+    if device.type == "cpu":
+        if _interpreting():
+            return "triton"
+        raise ValueError(
+            "backend='triton' on CPU tensors runs the kernels in Triton's interpreter, which "
+            "is off: set the environment variable TRITON_INTERPRET=1 before the first call "
+            "(slow; meant for tests), move the tensors to a CUDA device, or use "
+            "backend='torch'"
+        )
+    raise ValueError(
+        f"backend='triton' runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1), got "
+        f"tensors on {device}; use backend='torch'"
+    )
+
 
 # Elements of one fp32 logits tile. CPU: ~8 MiB, so the elementwise passes run out of L2/L3
 # instead of DRAM (measured: 2.3 s vs 3.2 s for a 2048 x 151936 x 512 forward with 134 MB

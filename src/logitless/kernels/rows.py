@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .._validate import HeadArgs
-from ..distributed import VocabParallel
+from ..parallel.vocab import VocabParallel
+
+if TYPE_CHECKING:
+    from .._validate import HeadArgs
 
 
 class Rows(NamedTuple):

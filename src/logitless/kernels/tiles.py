@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..distributed import VocabParallel
+from ..parallel.vocab import VocabParallel
 from .options import HeadOptions, finish_stats
 
 

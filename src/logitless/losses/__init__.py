@@ -1,16 +1,24 @@
 """RL policy losses on per-token tensors: small pure functions and one entry point.
 
 The losses never import the LM head: they take log-probs (and entropy) computed by
-:func:`logitless.linear_logprobs` or anything else. See ``docs/losses.md``.
+:func:`logitless.linear_logprobs` or anything else. Formulas: the README's "Policy losses".
+
+Layout: one small pure function per variant (:mod:`.surrogates`, :mod:`.kl`, :mod:`.mismatch`,
+:mod:`.ratio`, :mod:`.aggregation`, each with the registry its config names come from),
+:mod:`.config` (the options), :mod:`.checks` (the contract, checked once), :mod:`.stats`
+(per-document statistics), :mod:`.metrics`, :mod:`.policy` (the composition) and
+:mod:`.normalizer` (step-level counts).
 """
 
 from .aggregation import aggregation_weights, metric_weights
+from .checks import check_policy_loss
 from .config import PolicyLossConfig
 from .kl import kl_k1, kl_k2, kl_k3, kl_k3_k2_grad, kl_penalty
 from .mismatch import sequence_mask, token_band_mask, truncated_is_sequence, truncated_is_token
 from .normalizer import LossNormalizer, loss_normalizer
-from .policy import DocumentStats, document_stats, policy_loss
+from .policy import policy_loss
 from .ratio import sequence_log_ratio, token_log_ratio
+from .stats import DocumentStats, document_stats
 from .surrogates import (
     Surrogate,
     cispo_surrogate,
@@ -27,6 +35,7 @@ __all__ = [
     "PolicyLossConfig",
     "Surrogate",
     "aggregation_weights",
+    "check_policy_loss",
     "cispo_surrogate",
     "document_stats",
     "dppo_surrogate",

@@ -19,7 +19,16 @@ class Segments(NamedTuple):
     size: int  # length of per-document buffers (>= number of documents)
 
 
-def segment_sum(values: torch.Tensor, seg: Segments) -> torch.Tensor:
+def of_ids(document_ids: object, num_documents: object) -> Segments:
+    """``Segments`` from public arguments: ``[N]`` int64 ids in ``[-1, num_documents)``."""
+    if not isinstance(document_ids, torch.Tensor) or document_ids.is_floating_point():
+        raise ValueError(f"document_ids must be an int64 tensor, got {document_ids!r}")
+    if isinstance(num_documents, bool) or not isinstance(num_documents, int) or num_documents < 0:
+        raise ValueError(f"num_documents must be an int >= 0, got {num_documents!r}")
+    return Segments(document_ids.reshape(-1).long(), num_documents)
+
+
+def sum_per_document(values: torch.Tensor, seg: Segments) -> torch.Tensor:
     """``out[d] = Σ_{i: ids[i] = d} values[i]``; differentiable in ``values``.  [N] -> [size]"""
     return segment_sum_unchecked(values, seg.ids, seg.size)
 
@@ -33,8 +42,8 @@ def gather(per_doc: torch.Tensor, seg: Segments) -> torch.Tensor:
 
 def segment_mean(values: torch.Tensor, valid: torch.Tensor, seg: Segments) -> torch.Tensor:
     """Mean of ``values`` over the valid tokens of each document (0 for an empty one).  [size]"""
-    total = segment_sum(torch.where(valid, values, 0.0), seg)  # [size]
-    count = segment_sum(valid.to(values.dtype), seg)  # [size]
+    total = sum_per_document(torch.where(valid, values, 0.0), seg)  # [size]
+    count = sum_per_document(valid.to(values.dtype), seg)  # [size]
     return total / count.clamp(min=1.0)
 
 

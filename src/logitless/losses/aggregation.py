@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["aggregation_weights", "metric_weights"]
+__all__ = ["AGGREGATIONS", "aggregation_weights", "metric_weights"]
 
 
 def _token_mean(valid, n_doc, num_tokens, num_sequences, norm_length):
@@ -48,7 +48,7 @@ def _seq_mean_token_sum_norm(valid, n_doc, num_tokens, num_sequences, norm_lengt
     return valid / (num_sequences.clamp(min=1) * norm_length)
 
 
-_WEIGHTS = {
+AGGREGATIONS = {
     "token_mean": _token_mean,
     "token_sum": _token_sum,
     "seq_mean_token_mean": _seq_mean_token_mean,
@@ -77,11 +77,11 @@ def aggregation_weights(
     Returns:
         ``[N]`` weights; ``Σ_t w_t L_t`` is the aggregated loss.
     """
-    if mode not in _WEIGHTS:
-        raise ValueError(f"aggregation must be one of {list(_WEIGHTS)}, got {mode!r}")
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
     if mode == "seq_mean_token_sum_norm" and norm_length is None:
         raise ValueError("norm_length is required for aggregation='seq_mean_token_sum_norm'")
-    return _WEIGHTS[mode](valid, tokens_in_doc, num_tokens, num_sequences, norm_length)
+    return AGGREGATIONS[mode](valid, tokens_in_doc, num_tokens, num_sequences, norm_length)
 
 
 def metric_weights(

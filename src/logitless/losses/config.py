@@ -10,23 +10,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SURROGATES = ("ppo_clip", "cispo", "sapo", "gmpo", "reinforce", "dppo")
-RATIO_LEVELS = ("token", "sequence")
-AGGREGATIONS = (
-    "token_mean",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-    "token_sum",
-)
-KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
-MISMATCH_IS = (None, "token", "sequence")
-MISMATCH_SEQ_MASKS = (None, "geometric", "product")
+from .aggregation import AGGREGATIONS as _AGGREGATIONS
+from .kl import KL_ESTIMATORS as _KL_ESTIMATORS
+from .mismatch import SEQUENCE_STATISTICS as _SEQUENCE_STATISTICS
+from .surrogates import SURROGATES as _SURROGATES
 
-# Surrogates that build their own per-token ratio and ignore ``ratio_level="sequence"``:
-# GMPO takes a geometric mean of *clipped* token ratios itself; DPPO's trust region is a
-# per-token probability difference.
-_TOKEN_ONLY_SURROGATES = ("gmpo", "dppo")
+# The accepted names, read off the implementations (one registry each).
+SURROGATES = tuple(_SURROGATES)
+RATIO_LEVELS = ("token", "sequence")
+AGGREGATIONS = tuple(_AGGREGATIONS)
+KL_ESTIMATORS = tuple(_KL_ESTIMATORS)
+MISMATCH_IS = (None, "token", "sequence")
+MISMATCH_SEQ_MASKS = (None, *_SEQUENCE_STATISTICS)
 
 
 def _choice(field: str, value: object, choices: tuple) -> None:
@@ -63,7 +58,7 @@ def _band(field: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Options of :func:`logitless.losses.policy_loss` (see ``docs/losses.md`` for formulas).
+    """Options of :func:`logitless.losses.policy_loss` (formulas: the README's "Policy losses").
 
     Surrogate
         surrogate: ``"ppo_clip" | "cispo" | "sapo" | "gmpo" | "reinforce" | "dppo"``.
@@ -153,7 +148,7 @@ class PolicyLossConfig:
         _number("sapo_tau_pos", self.sapo_tau_pos, minimum=0.0, strict=True)
         _number("sapo_tau_neg", self.sapo_tau_neg, minimum=0.0, strict=True)
         _number("dppo_ratio_cap", self.dppo_ratio_cap, minimum=0.0, strict=True)
-        if self.ratio_level == "sequence" and self.surrogate in _TOKEN_ONLY_SURROGATES:
+        if self.ratio_level == "sequence" and _SURROGATES[self.surrogate].token_only:
             raise ValueError(
                 f"ratio_level='sequence' is not defined for surrogate={self.surrogate!r} "
                 f"(it builds its own ratio); use ratio_level='token'"
@@ -176,6 +171,38 @@ class PolicyLossConfig:
         if self.ratio_token_mask is not None:
             _band("ratio_token_mask", self.ratio_token_mask)
         _band("ratio_seq_mask_range", self.ratio_seq_mask_range)
+
+    # --- what the config needs of whole documents: decided here, used by the losses, the
+    # document statistics and the fused loss alike.
+
+    @property
+    def sums_log_ratio(self) -> bool:
+        """Needs each document's sum of ``log π_θ − log π_old`` (GSPO ratio, ratio_seq_mask)."""
+        return self.ratio_level == "sequence" or self.ratio_seq_mask is not None
+
+    @property
+    def sums_clipped_log_ratio(self) -> bool:
+        """Needs each document's sum of the surrogate's clipped log-ratio (GMPO)."""
+        return _SURROGATES[self.surrogate].document_mean
+
+    def sums_log_rho(self, rollout_given: bool) -> bool:
+        """Needs each document's sum of ``log π_old − log π_rollout`` (sequence mismatch IS or
+        mask); only when ``rollout_logprobs`` is given."""
+        return rollout_given and (
+            self.mismatch_is == "sequence" or self.mismatch_seq_mask is not None
+        )
+
+    @property
+    def is_token_local(self) -> bool:
+        """True when each token's loss gradient depends on its own log-prob only.
+
+        Whole-document statistics of ``π_θ`` (GSPO's sequence ratio, GMPO's mean, a sequence
+        mask on the current ratio) make every token's gradient depend on its document's other
+        tokens; statistics of ``π_old`` / ``π_rollout`` alone are constants and keep it local.
+        The fused loss computes a token-local loss's gradient chunk by chunk during the head's
+        forward; any other loss needs the log-probs of every row first.
+        """
+        return not (self.sums_log_ratio or self.sums_clipped_log_ratio)
 
     @property
     def uses_rollout(self) -> bool:

@@ -17,14 +17,23 @@ import math
 
 import torch
 
-from ._segments import Segments, gather, segment_sum
+from ._segments import gather, of_ids, sum_per_document
 
 __all__ = [
+    "SEQUENCE_STATISTICS",
     "sequence_mask",
     "token_band_mask",
     "truncated_is_sequence",
     "truncated_is_token",
 ]
+
+
+# The per-document statistic of log ρ compared with a band, by mode: the geometric mean of the
+# token ratios (in log space: the mean log ratio) or their product (the sum of log ratios).
+SEQUENCE_STATISTICS = {
+    "geometric": lambda total, count: total / count.clamp(min=1.0),
+    "product": lambda total, count: total,
+}
 
 
 def truncated_is_token(log_rho: torch.Tensor, cap: float) -> torch.Tensor:
@@ -33,11 +42,19 @@ def truncated_is_token(log_rho: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def truncated_is_sequence(
-    log_rho: torch.Tensor, valid: torch.Tensor, segments: Segments, cap: float
+    log_rho: torch.Tensor,
+    valid: torch.Tensor,
+    document_ids: torch.Tensor,
+    num_documents: int,
+    cap: float,
 ) -> torch.Tensor:
-    """Sequence-level truncated IS ``min(Π_{t in doc} ρ_t, cap)``, carried by every token.  [N]"""
-    total = segment_sum(torch.where(valid, log_rho.detach(), 0.0), segments)  # [D]
-    return gather(truncated_is_from_total(total, cap), segments)  # [N]
+    """Sequence-level truncated IS ``min(Π_{t in doc} ρ_t, cap)``, carried by every token.  [N]
+
+    ``document_ids``: ``[N]`` int64 in ``[-1, num_documents)`` (``-1``: padding).
+    """
+    seg = of_ids(document_ids, num_documents)
+    total = sum_per_document(torch.where(valid, log_rho.detach(), 0.0), seg)  # [D]
+    return gather(truncated_is_from_total(total, cap), seg)  # [N]
 
 
 def truncated_is_from_total(total: torch.Tensor, cap: float) -> torch.Tensor:
@@ -54,7 +71,8 @@ def token_band_mask(log_rho: torch.Tensor, low: float, high: float) -> torch.Ten
 def sequence_mask(
     log_rho: torch.Tensor,
     valid: torch.Tensor,
-    segments: Segments,
+    document_ids: torch.Tensor,
+    num_documents: int,
     mode: str,
     low: float,
     high: float,
@@ -64,12 +82,13 @@ def sequence_mask(
     ``mode="geometric"``: ``exp(mean_t log ρ_t)``; ``mode="product"``: ``Π_t ρ_t``. Compared in
     log space, so a long sequence's product never overflows.
     """
-    if mode not in ("geometric", "product"):
-        raise ValueError(f"mode must be 'geometric' or 'product', got {mode!r}")
+    if mode not in SEQUENCE_STATISTICS:
+        raise ValueError(f"mode must be one of {list(SEQUENCE_STATISTICS)}, got {mode!r}")
+    seg = of_ids(document_ids, num_documents)
     lr = log_rho.detach()
-    total = segment_sum(torch.where(valid, lr, 0.0), segments)  # [D]
-    count = segment_sum(valid.to(lr.dtype), segments)  # [D]
-    return gather(sequence_keep(total, count, mode, low, high), segments)  # [N]
+    total = sum_per_document(torch.where(valid, lr, 0.0), seg)  # [D]
+    count = sum_per_document(valid.to(lr.dtype), seg)  # [D]
+    return gather(sequence_keep(total, count, mode, low, high), seg)  # [N]
 
 
 def sequence_keep(
@@ -79,7 +98,7 @@ def sequence_keep(
 
     ``total_d = Σ_t log ρ_t`` and ``count_d`` (valid tokens) over the document's valid tokens.
     """
-    stat = total / count.clamp(min=1.0) if mode == "geometric" else total  # [D]
+    stat = SEQUENCE_STATISTICS[mode](total, count)  # [D]
     lo = math.log(low) if low > 0 else -math.inf
     keep = (stat >= lo) & (stat <= math.log(high))  # [D]
     return keep.to(total.dtype)

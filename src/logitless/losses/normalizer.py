@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _context
-from ._segments import Segments, document_segments, segment_sum
+from ..parallel import collectives
+from ._segments import Segments, document_segments, sum_per_document
 
 __all__ = ["LossNormalizer", "loss_normalizer"]
 
@@ -126,8 +126,8 @@ def loss_normalizer(
     >>> (int(n.num_tokens), int(n.num_sequences))
     (3, 2)
     """
-    cp = _context.check_group(context_group, "context_group")
-    dp = _context.check_group(process_group, "process_group")
+    cp = collectives.check_group(context_group, "context_group")
+    dp = collectives.check_group(process_group, "process_group")
     error, local = None, None
     try:
         _check_loss_scale(loss_scale)
@@ -144,11 +144,9 @@ def loss_normalizer(
         # one below, so no rank of either group is left waiting.
         k = len(local) if local else 0
         size = max((seg.size for _, seg in local), default=0) if local else 0
-        any_failed, (k_hi, k_lo, size) = _context.exchange(
-            cp, device, error is not None, [k, -k, size]
-        )
+        any_failed, (k_hi, k_lo, size) = collectives.exchange(cp, error is not None, [k, -k, size])
         if any_failed and error is None:
-            error = _context.other_rank_failed("loss_normalizer")
+            error = collectives.other_rank_failed("loss_normalizer", "context_group")
         elif error is None and k_hi != -k_lo:
             error = ValueError(
                 "loss_normalizer: every rank of the context group must pass the same number of "
@@ -157,23 +155,17 @@ def loss_normalizer(
             )
         if not any_failed and k_hi == -k_lo:
             # per-document counts of every micro-batch in one buffer, plus the token count
-            per_doc = [segment_sum(v.double(), Segments(seg.ids, size)) for v, seg in local]
+            per_doc = [sum_per_document(v.double(), Segments(seg.ids, size)) for v, seg in local]
             tokens = sum(v.sum(dtype=torch.float64) for v, _ in local).reshape(1)
-            flat = _context.all_reduce(torch.cat([*per_doc, tokens.to(device)]), cp, "sum")
+            flat = collectives.all_reduce(torch.cat([*per_doc, tokens.to(device)]), cp, "sum")
             docs = flat[:-1].reshape(k, size)  # [K, D]
             counts = torch.stack([flat[-1], (docs > 0).sum(dtype=torch.float64)])
     elif error is None:
         for valid, seg in local:
-            per_doc = segment_sum(valid.double(), seg)  # [D]
+            per_doc = sum_per_document(valid.double(), seg)  # [D]
             counts += torch.stack([valid.sum(dtype=torch.float64), (per_doc > 0).sum().double()])
     if dp is not None:
-        import torch.distributed as dist
-
-        flagged = torch.cat([counts, counts.new_tensor([float(error is not None)])])
-        dist.all_reduce(flagged, op=dist.ReduceOp.SUM, group=dp)
-        if error is None and flagged[2] > 0:
-            error = _context.other_rank_failed("loss_normalizer", "data-parallel")
-        counts = flagged[:2]
+        counts = collectives.sum_or_raise(dp, counts, error, "loss_normalizer", "process_group")
     if error is not None:
         raise error
     return LossNormalizer(num_tokens=counts[0], num_sequences=counts[1], loss_scale=loss_scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._segments import Segments, gather, segment_mean
+from ._segments import gather, of_ids, segment_mean
 
 __all__ = ["sequence_log_ratio", "token_log_ratio"]
 
@@ -18,9 +18,12 @@ def sequence_log_ratio(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     valid: torch.Tensor,
-    segments: Segments,
+    document_ids: torch.Tensor,
+    num_documents: int,
 ) -> torch.Tensor:
     """GSPO sequence ratio in token form, one value per token.
+
+    All tensors ``[N]``; ``document_ids`` int64 in ``[-1, num_documents)`` (``-1``: padding).
 
     Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071): the sequence
     importance ratio ``s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|)`` and its token form
@@ -32,8 +35,9 @@ def sequence_log_ratio(
     packed streams work and padding is never a document). Every token carries the value of its
     sequence ratio; its gradient is ``s_i ∇log π_θ(y_t)``.
     """
+    seg = of_ids(document_ids, num_documents)
     token = token_log_ratio(logprobs, old_logprobs)  # [N]
-    seq_mean = gather(segment_mean(token.detach(), valid, segments), segments)  # [N]
+    seq_mean = gather(segment_mean(token.detach(), valid, seg), seg)  # [N]
     return sequence_log_ratio_from_mean(logprobs, seq_mean)
 
 

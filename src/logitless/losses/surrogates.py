@@ -10,13 +10,16 @@ Notation: ``log_ratio = log π_θ − log π_old`` (differentiable through ``log
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from ._segments import Segments, gather, segment_mean
+from ._segments import gather, of_ids, segment_mean
 
 __all__ = [
+    "SURROGATES",
     "Surrogate",
     "cispo_surrogate",
     "dppo_surrogate",
@@ -125,11 +128,14 @@ def gmpo_surrogate(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     valid: torch.Tensor,
-    segments: Segments,
+    document_ids: torch.Tensor,
+    num_documents: int,
     clip_low: float,
     clip_high: float,
 ) -> Surrogate:
     """GMPO: geometric mean of the token ratios, each clipped in log space.
+
+    All tensors ``[N]``; ``document_ids`` int64 in ``[-1, num_documents)`` (``-1``: padding).
 
     Zhao et al. 2025, "Geometric-Mean Policy Optimization" (GMPO objective: the geometric
     mean of token-level clipped ratios, clip range in log space)::
@@ -141,8 +147,9 @@ def gmpo_surrogate(
     Aggregated with ``seq_mean_token_mean`` this is exactly ``mean_docs(−A · R)``, the GMPO
     objective; the token form lets every aggregation mode and micro-batch split apply.
     """
+    seg = of_ids(document_ids, num_documents)
     c = gmpo_clipped_log_ratio(log_ratio, advantages, clip_low, clip_high)  # [N]
-    mean_c = gather(segment_mean(c.detach(), valid, segments), segments)  # [N]
+    mean_c = gather(segment_mean(c.detach(), valid, seg), seg)  # [N]
     return gmpo_from_mean(c, mean_c, log_ratio, advantages, clip_low, clip_high)
 
 
@@ -216,3 +223,62 @@ def dppo_surrogate(
     weight = ratio.clamp(max=ratio_cap).detach()  # [N]
     loss = -advantages * weight * logprobs * keep  # [N]
     return Surrogate(loss, over_low & (advantages < 0), over_high)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: each surrogate's adapter from a PolicyLossConfig, and what it needs of whole
+# documents. ``PolicyLossConfig`` takes its list of names from here.
+
+
+@dataclass(frozen=True)
+class SurrogateSpec:
+    """How :func:`~logitless.losses.policy_loss` runs one surrogate.
+
+    run: ``(config, log_ratio, logprobs, old_logprobs, advantages, gmpo_mean) -> Surrogate``,
+        all ``[N]`` (``gmpo_mean``: each token's document mean of GMPO's clipped log-ratio, or
+        None): picks the surrogate's options out of the config.
+    token_only: builds its own per-token ratio, so ``ratio_level="sequence"`` is undefined.
+    document_mean: needs the document mean of its clipped log-ratio, a statistic of ``π_θ``
+        over whole documents (its gradient is not token-local).
+    """
+
+    run: Callable[..., Surrogate]
+    token_only: bool = False
+    document_mean: bool = False
+
+
+def _ppo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
+    return ppo_clip_surrogate(log_ratio, adv, c.clip_low, c.clip_high, c.dual_clip)
+
+
+def _cispo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
+    return cispo_surrogate(log_ratio, lp, adv, c.clip_low, c.clip_high)
+
+
+def _sapo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
+    return sapo_surrogate(log_ratio, adv, c.sapo_tau_pos, c.sapo_tau_neg)
+
+
+def _gmpo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
+    clipped = gmpo_clipped_log_ratio(log_ratio, adv, c.clip_low, c.clip_high)
+    return gmpo_from_mean(clipped, gmpo_mean, log_ratio, adv, c.clip_low, c.clip_high)
+
+
+def _reinforce(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
+    return reinforce_surrogate(log_ratio, adv)
+
+
+def _dppo(c, log_ratio, lp, old, adv, gmpo_mean) -> Surrogate:
+    return dppo_surrogate(log_ratio, lp, old, adv, c.clip_low, c.clip_high, c.dppo_ratio_cap)
+
+
+# GMPO takes a geometric mean of *clipped* token ratios itself; DPPO's trust region is a
+# per-token probability difference: neither has a sequence-level ratio.
+SURROGATES: dict[str, SurrogateSpec] = {
+    "ppo_clip": SurrogateSpec(_ppo),
+    "cispo": SurrogateSpec(_cispo),
+    "sapo": SurrogateSpec(_sapo),
+    "gmpo": SurrogateSpec(_gmpo, token_only=True, document_mean=True),
+    "reinforce": SurrogateSpec(_reinforce),
+    "dppo": SurrogateSpec(_dppo, token_only=True),
+}

@@ -13,13 +13,16 @@ Backward needs no communication for the weight shard: each rank forms ``dz`` for
 columns from the global ``lse`` and ``H``. The hidden gradient ``Σ_r dz_r · W_r`` is summed over
 the group (one all-reduce of ``[rows, H]``), unless the caller's framework does that itself.
 
-This module only uses torch.distributed; it imports neither the head nor the losses.
+This module only uses torch.distributed (through :mod:`.collectives`); it imports neither the
+head nor the losses.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .collectives import agree, comm_device
 
 __all__ = ["VocabParallel", "even_vocab_range"]
 
@@ -102,7 +105,7 @@ class VocabParallel:
         self.world_size = dist.get_world_size(group)
         # Exchange every rank's range before judging any, so all ranks raise together
         # instead of one raising and the others hanging in a later collective.
-        mine = torch.tensor([vocab_start, vocab_end], dtype=torch.int64, device=_comm_device(group))
+        mine = torch.tensor([vocab_start, vocab_end], dtype=torch.int64, device=comm_device(group))
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=group)
         ranges = tuple((int(t[0]), int(t[1])) for t in gathered)
@@ -161,18 +164,9 @@ class VocabParallel:
             n = flat.numel()
             weights = torch.arange(1, n + 1, device=flat.device, dtype=torch.int64)
             checksum = int((flat * weights).sum()) if n else 0
-        failed = int(error is not None)
-        local = torch.tensor([failed, n, -n, checksum, -checksum], dtype=torch.int64)
-        agg = local.to(_comm_device(self.group))
-        dist.all_reduce(agg, op=dist.ReduceOp.MAX, group=self.group)
-        any_failed, hi_n, lo_n, hi_c, lo_c = agg.tolist()
-        if error is not None:
-            raise error
-        if any_failed:
-            raise ValueError(
-                "vocab_parallel: another rank of the group rejected its inputs (see its "
-                "ValueError); this rank's inputs passed the checks"
-            )
+        what = "vocab_parallel"
+        values = [n, -n, checksum, -checksum]
+        hi_n, lo_n, hi_c, lo_c = agree(self.group, error, what, values, "the vocab_parallel group")
         if hi_n != -lo_n:
             raise ValueError(
                 f"vocab_parallel: every rank must pass the same tokens, but the ranks' row counts "
@@ -210,14 +204,6 @@ class VocabParallel:
         if grad is not None and self.reduce_hidden_grad:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
         return grad
-
-
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Device for small control tensors: CUDA for NCCL groups, CPU otherwise."""
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _check_tiling(ranges: tuple[tuple[int, int], ...], vocab_size: int | None) -> None:

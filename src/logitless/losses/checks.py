@@ -1,0 +1,320 @@
+"""The loss contract, checked once: :func:`check_policy_loss`.
+
+Every public entry point that evaluates a policy loss (:func:`~logitless.policy_loss`,
+:func:`~logitless.losses.document_stats`, :func:`~logitless.fused_policy_loss`, the HF and
+module forms) calls it once, before any work, and passes the :class:`LossCall` it returns to the
+computation. Nothing here computes a loss: the checks are shape, dtype, value and
+agreement checks, and under context parallelism one collective.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._checks import check_full_precision, fmt_shape
+from ..parallel import collectives
+from ._segments import Segments, document_segments
+from .config import PolicyLossConfig
+from .normalizer import LossNormalizer
+
+__all__ = ["LossCall", "check_config", "check_policy_loss"]
+
+
+def check_config(config: object) -> PolicyLossConfig:
+    """``config`` if it is a :class:`PolicyLossConfig`, else ``ValueError``."""
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    return config
+
+
+class LossCall(NamedTuple):
+    """The layout of one checked call.
+
+    seg: document of each flattened token (``[N]`` int64, -1 = padding) and the length of
+        per-document buffers (over the context group: 1 + its largest id).
+    adv_len: number of per-sequence advantages, or None for per-token advantages.
+    norm_length: Dr.GRPO's ``L`` for ``seq_mean_token_sum_norm``, else None.
+    key: fingerprint of the config and input layout (what document statistics must match).
+    group: the context-parallel group, or None.
+    """
+
+    seg: Segments
+    adv_len: int | None
+    norm_length: float | None
+    key: int
+    group: object | None
+
+    def valid_and_dtype(self, logprobs: torch.Tensor, mask: torch.Tensor):
+        """``[N]`` bool of the tokens that count, and the compute dtype (bf16 in -> fp32)."""
+        valid = mask.reshape(-1) & (self.seg.ids >= 0)
+        return valid, torch.promote_types(logprobs.dtype, torch.float32)
+
+    def token_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
+        """Per-token ``[N]`` advantages from per-token or per-sequence input."""
+        if self.adv_len is None:
+            return advantages.reshape(-1)
+        slot = self.seg.ids.clamp(min=0)  # [N]; padding reads document 0 and is masked later
+        return advantages[slot] if advantages.numel() else advantages.new_zeros(slot.shape)
+
+
+def clean(t: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` flattened to ``[N]`` in ``dtype``, 0 at tokens that do not count.
+
+    Invalid tokens may hold -inf/NaN log-probs; they must not reach exp() or the backward pass
+    (0 · NaN = NaN), so they are replaced by 0 before any arithmetic.
+    """
+    return torch.where(valid, t.reshape(-1).to(dtype), 0.0)
+
+
+def _check_float(name: str, t: object, shape: torch.Size) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.shape != shape:
+        raise ValueError(f"{name} must have shape {list(shape)} (logprobs'), got {fmt_shape(t)}")
+    return t
+
+
+def _check_advantages(advantages: object, logprobs: torch.Tensor) -> int | None:
+    """Per-token (None) or per-sequence (their number) advantages; the count is checked later."""
+    if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
+        raise ValueError(f"advantages must be a floating-point tensor, got {advantages!r}")
+    if advantages.shape == logprobs.shape:
+        return None
+    if advantages.dim() == 1:
+        # one value per sequence: [B] for [B, T] input, [num_documents] for packed input
+        if logprobs.dim() == 2 and advantages.shape[0] != logprobs.shape[0]:
+            raise ValueError(
+                f"advantages must have shape {list(logprobs.shape)} (per token) or "
+                f"[{logprobs.shape[0]}] (per sequence), got {fmt_shape(advantages)}"
+            )
+        return advantages.shape[0]
+    raise ValueError(
+        f"advantages must have logprobs' shape {list(logprobs.shape)} (per token) or "
+        f"[num_sequences] (per sequence), got {fmt_shape(advantages)}"
+    )
+
+
+def _check_advantage_count(
+    advantages: torch.Tensor, own: int | None, smallest: int | None, size: int, grouped: bool
+) -> None:
+    """Per-sequence advantages must cover every document id (of the whole group)."""
+    if smallest is None or smallest >= size:
+        return
+    where = " over the context group" if grouped else ""
+    if own is not None and own < size:
+        raise ValueError(
+            f"advantages must have logprobs' shape (per token) or [num_sequences] with "
+            f"num_sequences >= {size} (1 + the largest document id{where}) (per sequence), "
+            f"got {fmt_shape(advantages)}"
+        )
+    raise ValueError(
+        f"advantages: another rank of the context group passed {smallest} per-sequence "
+        f"advantages, fewer than the {size} documents of the group (1 + the largest document "
+        "id); every rank must pass the advantages of every document"
+    )
+
+
+def _norm_length(config: PolicyLossConfig, logprobs: torch.Tensor, grouped: bool) -> float | None:
+    if config.aggregation != "seq_mean_token_sum_norm":
+        return None
+    if config.norm_length is not None:
+        return float(config.norm_length)
+    if logprobs.dim() == 2 and not grouped:
+        return float(logprobs.shape[1])
+    what = (
+        "a [B, T] shard under context parallelism (its row length is not the sequence length)"
+        if grouped
+        else "a packed [N] input (there is no row length to default to)"
+    )
+    raise ValueError(
+        "norm_length must be set in PolicyLossConfig for aggregation='seq_mean_token_sum_norm' "
+        f"with {what}"
+    )
+
+
+def stats_key(config: PolicyLossConfig, logprobs: object, ids: object, rollout: object) -> int:
+    """Fingerprint of what document statistics depend on: config and input layout."""
+    dims = rows = None
+    if isinstance(logprobs, torch.Tensor):
+        dims = logprobs.dim()
+        rows = logprobs.shape[0] if dims == 2 and ids is None else None  # rows are documents
+    return collectives.signature(config, dims, rows, rollout is None)
+
+
+def _local_checks(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    config,
+    document_ids,
+    ref_logprobs,
+    rollout_logprobs,
+    entropy,
+    normalizer,
+    document_stats,
+    grouped: bool,
+    for_stats: bool,
+) -> tuple[Segments, int | None, float | None, int]:
+    """Every check that needs no collective; ``ValueError`` on bad input."""
+    config = check_config(config)
+    if not isinstance(logprobs, torch.Tensor) or not logprobs.is_floating_point():
+        raise ValueError(f"logprobs must be a floating-point tensor, got {logprobs!r}")
+    if logprobs.dim() not in (1, 2):
+        raise ValueError(f"logprobs must have shape [N] or [B, T], got {fmt_shape(logprobs)}")
+    shape = logprobs.shape
+    _check_float("old_logprobs", old_logprobs, shape)
+    check_full_precision(
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+    )
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != shape:
+        got = fmt_shape(mask) + f" {mask.dtype}" if isinstance(mask, torch.Tensor) else repr(mask)
+        raise ValueError(f"mask must be a bool tensor of shape {list(shape)}, got {got}")
+    if not for_stats:
+        if config.kl_coef > 0 and ref_logprobs is None:
+            raise ValueError("ref_logprobs is required when config.kl_coef > 0")
+        if config.entropy_coef != 0 and entropy is None:
+            raise ValueError("entropy is required when config.entropy_coef != 0")
+    if config.uses_rollout and rollout_logprobs is None:
+        raise ValueError(
+            "rollout_logprobs is required when a mismatch correction is on "
+            "(mismatch_is / mismatch_token_mask / mismatch_seq_mask)"
+        )
+    for name, t in (
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+        ("entropy", entropy),
+    ):
+        if t is not None:
+            _check_float(name, t, shape)
+    seg = document_segments(logprobs, document_ids, "logprobs")
+    adv_len = _check_advantages(advantages, logprobs)
+    if normalizer is not None:
+        if not isinstance(normalizer, LossNormalizer):
+            raise ValueError(
+                f"normalizer must be a LossNormalizer or None, got {type(normalizer).__name__}"
+            )
+        check_full_precision(
+            **{
+                "normalizer.num_tokens": normalizer.num_tokens,
+                "normalizer.num_sequences": normalizer.num_sequences,
+            }
+        )
+    key = stats_key(config, logprobs, document_ids, rollout_logprobs)
+    if document_stats is not None:
+        _check_stats(document_stats, key, seg)
+    return seg, adv_len, _norm_length(config, logprobs, grouped), key
+
+
+def _check_stats(stats: object, key: int, seg: Segments) -> None:
+    from .stats import DocumentStats
+
+    if not isinstance(stats, DocumentStats):
+        raise ValueError(f"document_stats must be a DocumentStats, got {type(stats).__name__}")
+    if stats.key != key:
+        raise ValueError(
+            "document_stats were computed for another config or input layout (a different "
+            "PolicyLossConfig, [N] vs [B, T] input, or rollout_logprobs given or not); compute "
+            "them with document_stats(...) for this call's config and inputs"
+        )
+    if seg.size > stats.size:
+        raise ValueError(
+            f"document_stats cover {stats.size} documents but document_ids go up to "
+            f"{seg.size - 1}; compute them on the same stream"
+        )
+
+
+def check_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    config: PolicyLossConfig,
+    document_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    normalizer: LossNormalizer | None = None,
+    context_group: object | None = None,
+    document_stats: object | None = None,
+    for_stats: bool = False,
+    what: str = "policy_loss",
+) -> LossCall:
+    """Check a :func:`~logitless.policy_loss` call (same arguments) and return its layout.
+
+    Raises ``ValueError`` naming the argument on any bad input, before any work. ``logprobs``
+    only contributes its shape, dtype and device here: callers that have no log-probs yet (the
+    fused loss) pass a placeholder. ``for_stats``: the checks of :func:`document_stats`
+    (``ref_logprobs`` / ``entropy`` not required).
+
+    With ``context_group`` this is a collective call: one ``all_reduce`` MAX of 5 int64
+    (failure flag, document count, call fingerprint twice, advantage count), so a bad input on
+    one rank raises on every rank, and the ranks are checked to make the same call.
+    """
+    group = collectives.check_group(context_group, "context_group")
+    error, local = None, None
+    try:
+        local = _local_checks(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            config,
+            document_ids,
+            ref_logprobs,
+            rollout_logprobs,
+            entropy,
+            normalizer,
+            document_stats,
+            group is not None,
+            for_stats,
+        )
+    except ValueError as e:
+        if group is None:
+            raise
+        error = e
+    seg, adv_len, norm_length, key = local if local is not None else (None, None, None, 0)
+    if group is None:
+        size, smallest = seg.size, adv_len
+    else:
+        sig = collectives.signature(
+            key,
+            ref_logprobs is None,
+            entropy is None,
+            normalizer is None,
+            document_stats is None,
+            for_stats,
+        )
+        unbounded = collectives.UNBOUNDED
+        size, hi, lo, neg_adv = collectives.agree(
+            group,
+            error,
+            what,
+            [
+                seg.size if seg is not None else 0,
+                sig,
+                -sig,
+                -(unbounded if adv_len is None else adv_len),
+            ],
+            "context_group",
+        )
+        if hi != -lo:
+            raise ValueError(
+                f"{what}: the ranks of the context group made different calls (config, [N] vs "
+                "[B, T] input or row count, or which of ref_logprobs / rollout_logprobs / "
+                "entropy / normalizer / document_stats are given); every rank must make the "
+                "same call on its own shard of the stream"
+            )
+        smallest = None if -neg_adv == unbounded else -neg_adv
+    if document_stats is not None:
+        size = document_stats.size
+    _check_advantage_count(advantages, adv_len, smallest, size, group is not None)
+    return LossCall(Segments(seg.ids, size), adv_len, norm_length, key, group)

@@ -1,0 +1,123 @@
+"""The one "fail together" protocol for every collective call of logitless.
+
+A collective call must be made by every rank of its group, in the same order, with tensors of
+the same size, whatever the rank's local data. So local validation never skips a collective:
+a rank whose inputs failed its checks still takes part, with a ``failed`` flag, and raises its
+own ``ValueError`` afterwards; every other rank learns from the same collective that some rank
+failed and raises a ``ValueError`` saying so, instead of hanging in the next collective.
+
+Used by the vocab-parallel head (:mod:`.vocab`), the context-parallel losses, the step
+normalizer and the step accumulator. This module imports only torch.distributed.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+# Stand-in for "no constraint" in a MAX-reduced value (e.g. per-token advantages have no count).
+UNBOUNDED = 2**62
+
+
+def check_group(group: object, name: str):
+    """``group`` as a ``ProcessGroup``, or ``None``; a ``ValueError`` before any collective."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"{name} needs an initialized torch.distributed process group "
+            "(torch.distributed.init_process_group), but torch.distributed is not initialized"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"{name} must be a torch.distributed.ProcessGroup (e.g. from dist.new_group, or "
+            f"dist.group.WORLD), got {type(group).__name__}"
+        )
+    return group
+
+
+def comm_device(group) -> torch.device:
+    """Device for small control tensors of ``group``: the current CUDA device for NCCL groups,
+    the CPU otherwise."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def signature(*parts: object) -> int:
+    """A process-independent 31-bit fingerprint of ``parts`` (``hash`` is salted per process)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def other_rank_failed(what: str, group_name: str) -> ValueError:
+    """The error of a rank whose own inputs passed while another rank's did not.
+
+    ``group_name`` names the argument that holds the group (``"context_group"``, ...).
+    """
+    return ValueError(
+        f"{what}: another rank of {group_name} rejected its inputs (see its ValueError); this "
+        "rank's inputs passed the checks"
+    )
+
+
+def exchange(group, failed: bool, values: list[int]) -> tuple[bool, list[int]]:
+    """One all-reduce MAX of ``[failed, *values]`` (int64): (any rank failed, the maxima).
+
+    Pass ``-x`` to get the minimum of ``x``. Raises nothing: for callers that must join
+    another collective before raising (see :func:`agree` for the usual case).
+    """
+    import torch.distributed as dist
+
+    local = torch.tensor([int(failed), *values], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    any_failed, *maxima = local.tolist()
+    return bool(any_failed), maxima
+
+
+def agree(
+    group, error: Exception | None, what: str, values: list[int], group_name: str
+) -> list[int]:
+    """:func:`exchange`, then raise ``error`` on the rank that had it and a ``ValueError`` on
+    every other rank when any rank had one; returns the maxima of ``values``."""
+    any_failed, maxima = exchange(group, error is not None, values)
+    if error is not None:
+        raise error
+    if any_failed:
+        raise other_rank_failed(what, group_name)
+    return maxima
+
+
+def sum_or_raise(
+    group, values: torch.Tensor, error: Exception | None, what: str, group_name: str
+) -> torch.Tensor:
+    """``values`` (1-D float64) summed over ``group`` in one all-reduce that also carries the
+    failure flag; raises like :func:`agree`. Returns a new tensor on ``values``' device."""
+    import torch.distributed as dist
+
+    flagged = torch.cat([values.double(), values.new_tensor([float(error is not None)]).double()])
+    flagged = flagged.to(comm_device(group))
+    dist.all_reduce(flagged, op=dist.ReduceOp.SUM, group=group)
+    if error is not None:
+        raise error
+    if flagged[-1] > 0:
+        raise other_rank_failed(what, group_name)
+    return flagged[:-1].to(values.device)
+
+
+def all_reduce(tensor: torch.Tensor, group, op: str) -> torch.Tensor:
+    """A new tensor: ``tensor`` summed (``op="sum"``) or maxed (``"max"``) over the group.
+
+    Reduced in float64 (exact for counts, and the ranks' partial sums lose nothing), returned in
+    ``tensor``'s dtype. Detached: only stop-gradient statistics are reduced this way.
+    """
+    import torch.distributed as dist
+
+    out = tensor.detach().to(torch.float64, copy=True)
+    reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    dist.all_reduce(out, op=reduce_op, group=group)
+    return out.to(tensor.dtype)
