@@ -69,8 +69,34 @@ def check_head_args(
 
     With ``vocab_parallel`` (a :class:`~logitless.parallel.VocabParallel`), ``weight`` and
     ``bias`` are this rank's shard and labels are checked against the global vocabulary.
+    Three steps: the tensors themselves, their shapes / dtypes / devices, then the values (the
+    one host sync of a call).
     """
-    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
+    _check_plain_tensors(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    label_vocab = _check_layout(
+        hidden, weight, labels, bias, temperature, ignore_index, head_dtype, vocab_parallel
+    )
+    if softcap is not None:
+        softcap = positive_finite_float("softcap", softcap)
+    resolved = resolve_backend(backend, weight.device, head_dtype or weight.dtype)
+    temp, num_valid = _check_values(labels, temperature, ignore_index, label_vocab, vocab_parallel)
+    return HeadArgs(
+        hidden=hidden.reshape(-1, weight.shape[1]),
+        weight=weight,
+        labels=labels.reshape(-1).long(),
+        bias=bias,
+        temperature=temp,
+        softcap=softcap,
+        head_dtype=head_dtype if head_dtype is not None else hidden.dtype,
+        batch_shape=labels.shape,
+        num_valid=num_valid,
+        backend=resolved,
+    )
+
+
+def _check_plain_tensors(**tensors: object) -> None:
+    """Every given argument is a plain tensor (not a DTensor: say how to get one)."""
+    for name, t in tensors.items():
         if t is None and name == "bias":
             continue
         if not isinstance(t, torch.Tensor):
@@ -87,6 +113,12 @@ def check_head_args(
             else:
                 advice = "pass this rank's rows as a plain tensor (`.to_local()`)"
             raise ValueError(f"{name} is a DTensor; logitless takes plain tensors: {advice}")
+
+
+def _check_layout(
+    hidden, weight, labels, bias, temperature, ignore_index, head_dtype, vocab_parallel
+) -> int:
+    """Shapes, dtypes and devices (no value read); returns the label vocabulary size."""
     if hidden.dim() < 1 or not hidden.is_floating_point():
         raise ValueError(
             f"hidden must be a floating tensor of shape [..., H], got dtype {hidden.dtype} "
@@ -98,23 +130,7 @@ def check_head_args(
             f"{_fmt_shape(weight)}"
         )
     vocab, dim = weight.shape
-    label_vocab = vocab
-    if vocab_parallel is not None:
-        from .parallel.vocab import VocabParallel
-
-        if not isinstance(vocab_parallel, VocabParallel):
-            raise ValueError(
-                f"vocab_parallel must be a logitless.VocabParallel or None, got "
-                f"{type(vocab_parallel).__name__}"
-            )
-        if vocab != vocab_parallel.shard_size:
-            raise ValueError(
-                f"with vocab_parallel, weight must be this rank's shard of "
-                f"{vocab_parallel.shard_size} rows (rows [{vocab_parallel.vocab_start}, "
-                f"{vocab_parallel.vocab_end}) of {vocab_parallel.vocab_size}), got "
-                f"{_fmt_shape(weight)}; slice it with vocab_parallel.shard(full_weight)"
-            )
-        label_vocab = vocab_parallel.vocab_size
+    label_vocab = vocab if vocab_parallel is None else _check_shard(weight, vocab_parallel)
     if hidden.shape[-1] != dim:
         raise ValueError(
             f"hidden's last dimension must equal weight's H={dim} (weight is "
@@ -157,14 +173,41 @@ def check_head_args(
                 f"bias ({bias.dtype}) and weight ({weight.dtype}) must share a dtype, or pass "
                 "head_dtype="
             )
-    if softcap is not None:
-        softcap = positive_finite_float("softcap", softcap)
-    resolved = resolve_backend(backend, weight.device, head_dtype or weight.dtype)
+    return label_vocab
 
+
+def _check_shard(weight: torch.Tensor, vocab_parallel: object) -> int:
+    """``weight`` is this rank's shard of ``vocab_parallel``; returns the global vocabulary."""
+    from .parallel.vocab import VocabParallel
+
+    if not isinstance(vocab_parallel, VocabParallel):
+        raise ValueError(
+            f"vocab_parallel must be a logitless.VocabParallel or None, got "
+            f"{type(vocab_parallel).__name__}"
+        )
+    if weight.shape[0] != vocab_parallel.shard_size:
+        raise ValueError(
+            f"with vocab_parallel, weight must be this rank's shard of "
+            f"{vocab_parallel.shard_size} rows (rows [{vocab_parallel.vocab_start}, "
+            f"{vocab_parallel.vocab_end}) of {vocab_parallel.vocab_size}), got "
+            f"{_fmt_shape(weight)}; slice it with vocab_parallel.shard(full_weight)"
+        )
+    return vocab_parallel.vocab_size
+
+
+def _check_values(
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    ignore_index: int,
+    label_vocab: int,
+    vocab_parallel: object | None,
+) -> tuple[float | torch.Tensor, int]:
+    """Label range and temperature values, read with the valid-row count in one host transfer
+    (the one sync of a call). Returns the temperature (float, or ``[N]`` fp32) and the number
+    of valid rows."""
     flat_labels = labels.reshape(-1)
     valid = flat_labels != ignore_index
     bad = valid & ((flat_labels < 0) | (flat_labels >= label_vocab))
-
     temp: float | torch.Tensor
     bad_temp = None
     if isinstance(temperature, torch.Tensor):
@@ -188,7 +231,6 @@ def check_head_args(
     else:
         temp = positive_finite_float("temperature", temperature)
 
-    # The one host sync of a call: valid-row count, out-of-range labels, bad temperatures.
     counts = [valid.sum(), bad.sum()] + ([] if bad_temp is None else [bad_temp])
     num_valid, n_bad, *rest = torch.stack(counts).tolist() if flat_labels.numel() else [0, 0]
     if n_bad:
@@ -200,19 +242,7 @@ def check_head_args(
         )
     if rest and rest[0]:
         raise ValueError("temperature must be finite and > 0 everywhere")
-
-    return HeadArgs(
-        hidden=hidden.reshape(-1, dim),
-        weight=weight,
-        labels=flat_labels.long(),
-        bias=bias,
-        temperature=temp,
-        softcap=softcap,
-        head_dtype=head_dtype if head_dtype is not None else hidden.dtype,
-        batch_shape=labels.shape,
-        num_valid=int(num_valid),
-        backend=resolved,
-    )
+    return temp, int(num_valid)
 
 
 def with_hidden(args: HeadArgs, hidden: object, head_dtype: torch.dtype | None) -> HeadArgs:
