@@ -571,8 +571,8 @@ def test_module_form_matches_function():
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_gradcheck_float64(chunk):
     """Finite differences on a tiny float64 problem: logprobs + entropy, bias, per-token
-    temperature, softcap, one ignored row. The op's softmax is fp32 by contract, so the finite
-    difference step is 1e-3 (fp32 rounding / eps stays ~1e-4)."""
+    temperature, softcap, one ignored row. A float64 head computes its statistics and returns
+    its outputs in float64, so gradcheck holds at its default (float64) tolerances."""
     hidden = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
@@ -591,21 +591,21 @@ def test_gradcheck_float64(chunk):
             chunk_size=chunk,
             head_dtype=torch.float64,
         )
-        return out.logprobs.double(), out.entropy.double()
+        assert out.logprobs.dtype == out.entropy.dtype == torch.float64
+        return out.logprobs, out.entropy
 
-    assert torch.autograd.gradcheck(fn, (hidden, weight, bias), eps=1e-3, atol=2e-3, rtol=2e-3)
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
 @pytest.mark.parametrize("chunk", [None, 2], ids=["one-tile", "chunk2"])
-def test_double_backward_is_right_or_refused(chunk):
-    """create_graph=True through the op (Hessian-vector products, gradient penalties) must give
-    the reference's second derivatives, or refuse the way ``@once_differentiable`` does (its
-    "differentiate twice" error, or a first-order gradient without a graph when the upstream
-    gradient is a constant); never a silently wrong number or a version-counter error."""
-    hidden = torch.randn(6, 4, dtype=torch.float64)
-    weight = torch.randn(7, 4, dtype=torch.float64)
+def test_double_backward_is_refused(chunk):
+    """create_graph=True through the op (Hessian-vector products, gradient penalties) raises a
+    RuntimeError saying the op is first-order, instead of a silently zero second derivative
+    (the reference, which autograd differentiates twice, shows one exists)."""
+    hidden = torch.randn(6, 4)
+    weight = torch.randn(7, 4)
     labels = torch.tensor([1, 6, -100, 0, 3, 3])
-    g, v = torch.randn(6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    g, v = torch.randn(6), torch.randn(6, 4)
 
     def second_derivative(fn):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -614,12 +614,6 @@ def test_double_backward_is_right_or_refused(chunk):
         (ggw,) = torch.autograd.grad((gh * v).sum(), w)
         return ggw
 
-    want = second_derivative(reference.linear_logprobs)
-    try:
-        got = second_derivative(logitless.linear_logprobs)
-    except RuntimeError as ex:
-        refusals = ("differentiate twice", "does not require grad and does not have a grad_fn")
-        assert any(r in str(ex) for r in refusals), f"unexpected error: {ex}"
-        return
-    # fp32 softmax by contract: compare at fp32 accuracy.
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert float(second_derivative(reference.linear_logprobs).abs().max()) > 0
+    with pytest.raises(RuntimeError, match="first-order"):
+        second_derivative(logitless.linear_logprobs)

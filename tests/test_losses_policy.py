@@ -628,8 +628,9 @@ def test_loss_normalizer_counts_and_rejects_bad_input():
     n = loss_normalizer(masks, ids)
     # padding (-1) is not counted even where the mask is on; a doc with no valid token neither
     assert (float(n.num_tokens), float(n.num_sequences)) == (4.0, 4.0)
-    ids2 = [torch.tensor([1, 0, 1, -1, -1]), torch.tensor([0, 1])]  # doc 0 fully masked
-    n2 = loss_normalizer(masks, ids2)
+    masks2 = [torch.tensor([False, True, True, True, True]), masks[1]]
+    ids2 = [torch.tensor([0, 1, 1, -1, -1]), torch.tensor([0, 1])]  # doc 0 fully masked
+    n2 = loss_normalizer(masks2, ids2)
     assert (float(n2.num_tokens), float(n2.num_sequences)) == (4.0, 3.0)
     with pytest.raises(ValueError, match="masks"):
         loss_normalizer([])
@@ -637,6 +638,13 @@ def test_loss_normalizer_counts_and_rejects_bad_input():
         loss_normalizer(masks)
     with pytest.raises(ValueError, match="num_tokens"):
         LossNormalizer(num_tokens=-1, num_sequences=1)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="num_sequences must be a finite number"):
+            LossNormalizer(num_tokens=1, num_sequences=bad)
+    with pytest.raises(ValueError, match=r"masks\[0\] must be a bool tensor"):
+        loss_normalizer([masks[0].long()], [ids[0]])
+    with pytest.raises(ValueError, match="contiguous"):  # doc 1 resumes after doc 0
+        loss_normalizer([masks[0]], [torch.tensor([1, 0, 1, -1, -1])])
 
 
 def test_docs_usage_example_runs():

@@ -78,8 +78,12 @@ def check_head_args(
     )
     if softcap is not None:
         softcap = positive_finite_float("softcap", softcap)
-    resolved = resolve_backend(backend, weight.device, head_dtype or weight.dtype)
-    temp, num_valid = _check_values(labels, temperature, ignore_index, label_vocab, vocab_parallel)
+    resolved = resolve_backend(backend, weight.device, head_dtype or hidden.dtype)
+    head_dtype = head_dtype if head_dtype is not None else hidden.dtype
+    stats_dtype = torch.float64 if head_dtype == torch.float64 else torch.float32
+    temp, num_valid = _check_values(
+        labels, temperature, ignore_index, label_vocab, vocab_parallel, stats_dtype
+    )
     return HeadArgs(
         hidden=hidden.reshape(-1, weight.shape[1]),
         weight=weight,
@@ -87,7 +91,7 @@ def check_head_args(
         bias=bias,
         temperature=temp,
         softcap=softcap,
-        head_dtype=head_dtype if head_dtype is not None else hidden.dtype,
+        head_dtype=head_dtype,
         batch_shape=labels.shape,
         num_valid=num_valid,
         backend=resolved,
@@ -153,6 +157,13 @@ def _check_layout(
             f"hidden, weight, labels, bias and temperature must be on one device, got "
             f"{sorted(str(d) for d in devices)}"
         )
+    if hidden.device.type == "meta":
+        raise ValueError(
+            "hidden, weight and labels are meta tensors: logitless reads label values (range "
+            "check, number of valid rows) before any work, which meta tensors do not have. Run "
+            "the head on real tensors (with a meta-initialized model: after materializing its "
+            "weights)"
+        )
     if head_dtype is not None and (
         not isinstance(head_dtype, torch.dtype) or not head_dtype.is_floating_point
     ):
@@ -201,11 +212,13 @@ def _check_values(
     ignore_index: int,
     label_vocab: int,
     vocab_parallel: object | None,
+    stats_dtype: torch.dtype,
 ) -> tuple[float | torch.Tensor, int]:
     """Label range and temperature values, read with the valid-row count in one host transfer
-    (the one sync of a call). Returns the temperature (float, or ``[N]`` fp32) and the number
-    of valid rows."""
-    flat_labels = labels.reshape(-1)
+    (the one sync of a call). Returns the temperature (float, or ``[N]`` in ``stats_dtype``) and
+    the number of valid rows. Labels of every integer dtype are compared as int64 (a Python
+    bound would wrap in uint8 / int8 / int16)."""
+    flat_labels = labels.reshape(-1).long()
     valid = flat_labels != ignore_index
     bad = valid & ((flat_labels < 0) | (flat_labels >= label_vocab))
     temp: float | torch.Tensor
@@ -221,7 +234,7 @@ def _check_values(
             )
         try:
             torch.broadcast_shapes(temperature.shape, labels.shape)
-            temp = temperature.float().expand(labels.shape).reshape(-1)
+            temp = temperature.to(stats_dtype).expand(labels.shape).reshape(-1)
         except RuntimeError:
             raise ValueError(
                 f"temperature of shape {_fmt_shape(temperature)} is not broadcastable to "

@@ -251,15 +251,16 @@ class StepAccumulator(Generic[T]):
             return torch.zeros(2, dtype=torch.float64), None
         try:
             masks = [self.mask_of(mb) for mb in micro_batches]
+            for mask in masks:
+                if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                    got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+                    raise ValueError(f"mask_of must return a bool tensor, got {got}")
             ids = [
                 None if self.document_ids_of is None else self.document_ids_of(mb)
                 for mb in micro_batches
             ]
             extra = {} if self.context_group is None else {"context_group": self.context_group}
             norm = loss_normalizer(masks, ids, **extra)
-            for mask in masks:
-                if mask.dtype != torch.bool:
-                    raise ValueError(f"mask_of must return a bool tensor, got {mask.dtype}")
         except ValueError as error:
             return torch.zeros(2, dtype=torch.float64), error
         self._device = masks[0].device

@@ -37,16 +37,28 @@ def _group_ids(
         if s % group_size:
             raise ValueError(f"rewards length {s} must be a multiple of group_size={group_size}")
         ids = torch.arange(s, device=rewards.device) // group_size
-        return rewards.detach(), ids
-    if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point():
-        raise ValueError(f"group_ids must be an int64 tensor, got {group_ids!r}")
-    if group_ids.shape != rewards.shape:
-        raise ValueError(f"group_ids must have rewards' shape [{s}], got {list(group_ids.shape)}")
-    ids = group_ids.long()
+    else:
+        if (
+            not isinstance(group_ids, torch.Tensor)
+            or group_ids.is_floating_point()
+            or group_ids.dtype == torch.bool
+        ):
+            raise ValueError(f"group_ids must be an int64 tensor, got {group_ids!r}")
+        if group_ids.shape != rewards.shape:
+            raise ValueError(
+                f"group_ids must have rewards' shape [{s}], got {list(group_ids.shape)}"
+            )
+        if group_ids.device != rewards.device:
+            raise ValueError(f"group_ids must be on rewards' device {rewards.device}")
+        ids = group_ids.long()
     if s:
-        lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync
+        # one host sync: id range and non-finite rewards (a NaN reward would silently turn its
+        # whole group's advantages into NaN)
+        lo, hi, n_bad = torch.stack([ids.min(), ids.max(), (~rewards.isfinite()).sum()]).tolist()
         if lo < 0 or hi >= s:
             raise ValueError(f"group_ids must be in [0, {s}), got ids from {lo} to {hi}")
+        if n_bad:
+            raise ValueError(f"rewards must be finite, got {n_bad} NaN or infinite reward(s)")
     return rewards.detach(), ids
 
 

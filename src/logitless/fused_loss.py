@@ -19,10 +19,17 @@ Triton backend always runs the statistics first, see its module.)
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ._validate import HeadArgs, check_chunk_size, check_head_call
-from .kernels import Backend, Rows, backend_module, head_options, kernel_labels, select_rows
+from .kernels import (
+    Backend,
+    Rows,
+    backend_module,
+    head_options,
+    kernel_labels,
+    refuse_double_backward,
+    select_rows,
+)
 from .losses import LossNormalizer, PolicyLossConfig
 from .losses.checks import LossCall, check_config, check_policy_loss
 from .losses.policy import compute_policy_loss
@@ -338,8 +345,8 @@ class _StoredGradients(torch.autograd.Function):
         return loss.detach().clone()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss):
+        refuse_double_backward("fused_policy_loss")
         grads, ctx.store.grads = ctx.store.grads, None
         if grads is None:
             raise RuntimeError(

@@ -125,6 +125,15 @@ class LinearLogprobs(nn.Module):
         return f"with_entropy={self.with_entropy}, {self.options.describe()}"
 
 
+def _fsdp(module: nn.Module) -> bool:
+    """Whether FSDP2 manages ``module`` (it swaps the parameters in its own hooks)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
 class _SharedHeadWeight(nn.Module):
     """Registers a source module's ``weight`` ``[V, H]`` (and ``bias`` ``[V]`` or None) as the
     same Parameter objects, and checks in forward that they are still the source's."""
@@ -194,6 +203,15 @@ class _SharedHeadWeight(nn.Module):
             ):
                 now = None if source is None else getattr(source, name, None)
                 built = None if built_ref is None else built_ref()
+                if source is not None and now is not ours and now is built and not _fsdp(self):
+                    raise ValueError(
+                        f"{owner}: its '{name}' is no longer the {type(source).__name__}'s "
+                        f"parameter (it was replaced on the head, e.g. by load_state_dict("
+                        f"..., assign=True)), so the tie is broken: the head would train a "
+                        f"copy the source never sees. Load the state into the source module "
+                        f"(or the whole model) and build the head after, or load without "
+                        f"assign=True (copies into the shared parameter)."
+                    )
                 if source is not None and now is not ours and now is not built:
                     raise ValueError(
                         f"{owner}: the {type(source).__name__} it was built from holds a new "

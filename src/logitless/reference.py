@@ -1,8 +1,9 @@
 """Naive full-logits implementations: the oracle for tests and the baseline for benchmarks.
 
 These materialize the whole ``[..., V]`` logits tensor exactly as a hand-written training step
-would. They share signatures and input checks with the fused ops, so a test or a benchmark can
-swap one for the other.
+would. They take the same arguments as :func:`logitless.linear_logprobs` (``chunk_size`` is
+accepted and ignored; there is no ``vocab_parallel`` or ``backend``) and the same input checks,
+so a test or a benchmark can swap one for the other.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def linear_logprobs(
     )
     dt = args.head_dtype
     b = None if bias is None else bias.to(dt)
-    logits = F.linear(args.hidden.to(dt), weight.to(dt), b).float()  # [N, V]
+    stats = torch.float64 if dt == torch.float64 else torch.float32  # float64 heads stay so
+    logits = F.linear(args.hidden.to(dt), weight.to(dt), b).to(stats)  # [N, V]
     if args.softcap is not None:
         logits = args.softcap * torch.tanh(logits / args.softcap)
     if isinstance(args.temperature, torch.Tensor):

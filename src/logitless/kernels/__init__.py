@@ -19,7 +19,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..parallel.vocab import VocabParallel
 from .options import Backend, HeadOptions, Schedule, resolve_backend
@@ -37,6 +36,7 @@ __all__ = [
     "backend_module",
     "head_options",
     "kernel_labels",
+    "refuse_double_backward",
     "resolve_backend",
     "select_rows",
 ]
@@ -85,6 +85,19 @@ def head_options(
     )
 
 
+def refuse_double_backward(op: str) -> None:
+    """The kernels compute first-order gradients outside autograd: a backward that runs with
+    ``create_graph=True`` (grad mode on) would return gradients without a graph, i.e. a silently
+    zero second derivative. Refuse instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op} is first-order: its backward ran with create_graph=True (a gradient penalty "
+            "or a Hessian-vector product through the head), and it computes no second "
+            "derivatives. Use logitless.reference for such terms, or differentiate without "
+            "create_graph=True."
+        )
+
+
 class LinearLogprobsFunction(torch.autograd.Function):
     """Autograd wrapper: tensors positionally, every other option in one frozen dataclass."""
 
@@ -102,10 +115,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_logp, grad_ent=None):
-        # First-order only: the kernels work outside autograd, so a second differentiation
-        # (create_graph=True) must refuse instead of returning a wrong number.
+        refuse_double_backward("linear_logprobs")
         hidden, weight, bias, labels, temp, lse, ent = ctx.saved_tensors
         # The kept tile is overwritten by backward: use it once, recompute on a second call
         # (retain_graph=True).

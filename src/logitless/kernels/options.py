@@ -38,6 +38,13 @@ def resolve_backend(backend: object, device: torch.device, head_dtype: torch.dty
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
+    if head_dtype == torch.float64:
+        if backend == "auto":
+            return "torch"
+        raise ValueError(
+            "backend='triton' runs fp32, bf16 and fp16 heads; a float64 head runs on "
+            "backend='torch' (or 'auto')"
+        )
     if backend == "auto":
         fast = device.type == "cuda" and head_dtype in (torch.bfloat16, torch.float16)
         return "triton" if fast and _triton_installed() else "torch"
@@ -134,6 +141,12 @@ class HeadOptions:
     vocab_parallel: VocabParallel | None = None
     backend: Literal["torch", "triton"] = "torch"  # resolved: never "auto" here
     chunk_size: int | None = None  # the caller's rows per pass (None: the backend's choice)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Softmax statistics, outputs and gradient accumulators: fp32, or float64 for a
+        float64 head (so ``gradcheck`` holds at float64 accuracy)."""
+        return torch.float64 if self.head_dtype == torch.float64 else torch.float32
 
 
 def finish_stats(

@@ -40,7 +40,7 @@ def _project(
 
     h: [R, H], w: [Vb, H] in the head dtype; out: [R, Vb] fp32; temp: [R] or None.
     """
-    if h.dtype == torch.float32:
+    if h.dtype == out.dtype:
         if b is None:
             torch.mm(h, w.t(), out=out)
         else:
@@ -79,7 +79,8 @@ def _weight_block(
 
 
 def _tile_buffer(rows: int, opts: HeadOptions, vocab: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(rows * min(opts.schedule.vocab_block, vocab), device=device)
+    size = rows * min(opts.schedule.vocab_block, vocab)
+    return torch.empty(size, device=device, dtype=opts.compute_dtype)
 
 
 class _OnlineStats:
@@ -146,9 +147,10 @@ def forward_rows(
     dev = hidden.device
     hd = opts.head_dtype
     h_all = hidden.to(hd)
-    logp = torch.empty(num_rows, device=dev)
-    lse = torch.empty(num_rows, device=dev)
-    ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
+    cd = opts.compute_dtype
+    logp = torch.empty(num_rows, device=dev, dtype=cd)
+    lse = torch.empty(num_rows, device=dev, dtype=cd)
+    ent = torch.empty(num_rows, device=dev, dtype=cd) if opts.with_entropy else None
     rows_per = opts.schedule.rows
     keep = keep_tile and opts.schedule.num_tiles(num_rows, vocab) == 1
     kept = None
@@ -179,9 +181,11 @@ class _RowGrad:
         if temp is not None:
             self.inv_t = 1.0 / temp
         else:
-            self.inv_t = torch.full((num_rows,), 1.0 / (opts.temperature or 1.0), device=device)
+            cd = opts.compute_dtype
+            t = 1.0 / (opts.temperature or 1.0)
+            self.inv_t = torch.full((num_rows,), t, device=device, dtype=cd)
         if g is None:
-            g = torch.zeros(num_rows, device=device)
+            g = torch.zeros_like(self.inv_t)
         self.g_t = (g * self.inv_t)[:, None]  # g / T
         self.e_t = self.coef = None
         if e is not None:
@@ -250,21 +254,22 @@ class _GradAccumulator:
         self.hd = opts.head_dtype
         need_h, need_w, need_b = needs
         multi_chunk = num_rows > opts.schedule.rows
-        w_dtype = weight.dtype if weight.dtype == torch.float32 or not multi_chunk else None
-        self.dh = torch.zeros(num_rows, dim, device=dev) if need_h else None
-        self.dw = None
-        if need_w:
-            self.dw = torch.zeros(vocab, dim, device=dev, dtype=w_dtype or torch.float32)
-        self.db = torch.zeros(vocab, device=dev) if need_b and bias is not None else None
+        cd = opts.compute_dtype
+        w_dtype = weight.dtype if weight.dtype == cd or not multi_chunk else cd
+        self.dh = torch.zeros(num_rows, dim, device=dev, dtype=cd) if need_h else None
+        self.dw = torch.zeros(vocab, dim, device=dev, dtype=w_dtype) if need_w else None
+        self.db = None
+        if need_b and bias is not None:
+            self.db = torch.zeros(vocab, device=dev, dtype=cd)
 
     def add(self, dz: torch.Tensor, h: torch.Tensor, w: torch.Tensor, r0: int, v0: int) -> None:
         """Add tile dz [R, Vb] (fp32) of rows r0... and vocab v0...; h, w in the head dtype."""
         r1, v1 = r0 + dz.shape[0], v0 + dz.shape[1]
         if self.db is not None:
             self.db[v0:v1] += dz.sum(dim=0)
-        dz_h = dz if self.hd == torch.float32 else dz.to(self.hd)
+        dz_h = dz if self.hd == dz.dtype else dz.to(self.hd)
         if self.dh is not None:
-            if self.hd == torch.float32:
+            if self.hd == dz.dtype:
                 self.dh[r0:r1].addmm_(dz_h, w)
             else:
                 self.dh[r0:r1] += dz_h @ w
@@ -373,13 +378,14 @@ def fused_rows(
     dev = hidden.device
     hd = opts.head_dtype
     acc = _GradAccumulator(hidden, weight, bias, needs, opts)
-    logp = torch.empty(num_rows, device=dev)
-    ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
+    cd = opts.compute_dtype
+    logp = torch.empty(num_rows, device=dev, dtype=cd)
+    ent = torch.empty(num_rows, device=dev, dtype=cd) if opts.with_entropy else None
     if num_rows == 0:
         return logp, ent, acc.result()
     h_all = hidden.to(hd)
     rows_per = opts.schedule.rows
-    chunk_buf = torch.empty(min(rows_per, num_rows) * vocab, device=dev)
+    chunk_buf = torch.empty(min(rows_per, num_rows) * vocab, device=dev, dtype=cd)
     # Without entropy or softcap, the gradient needs p only, not z: store exp(z - m) in pass A.
     keep_exp = not opts.with_entropy and opts.softcap is None
     for r0, r1 in opts.schedule.row_chunks(num_rows):

@@ -47,11 +47,66 @@ def segment_mean(values: torch.Tensor, valid: torch.Tensor, seg: Segments) -> to
     return total / count.clamp(min=1.0)
 
 
+def check_document_ids(like: torch.Tensor, document_ids: object, name: str) -> torch.Tensor:
+    """``document_ids`` as ``[N]`` int64, after the checks that need no value: a signed integer
+    (not bool: a mask passed by mistake) tensor of ``like``'s shape on its device."""
+    if (
+        not isinstance(document_ids, torch.Tensor)
+        or document_ids.is_floating_point()
+        or document_ids.dtype == torch.bool
+        or document_ids.is_complex()
+    ):
+        got = document_ids.dtype if isinstance(document_ids, torch.Tensor) else document_ids
+        raise ValueError(f"document_ids must be an int64 tensor (-1 = padding), got {got!r}")
+    if document_ids.shape != like.shape:
+        raise ValueError(
+            f"document_ids must have {name}' shape {list(like.shape)}, "
+            f"got {list(document_ids.shape)}"
+        )
+    if document_ids.device != like.device:
+        raise ValueError(
+            f"document_ids must be on {name}' device {like.device}, got {document_ids.device}"
+        )
+    return document_ids.reshape(-1).long()
+
+
+def id_counters(ids: torch.Tensor) -> list[torch.Tensor]:
+    """Device-side ``[min id, max id, tokens of a document that follow another document or
+    padding]`` of ``[N]`` int64 ids (no host sync; fixed shapes).
+
+    A document is contiguous when, in id order, each of its tokens sits right after the
+    previous one: sorting the positions by id (stable) and counting jumps finds the rest.
+    """
+    if ids.numel() == 0:
+        zero = torch.zeros((), dtype=torch.int64, device=ids.device)
+        return [zero, zero - 1, zero]
+    order = torch.argsort(ids, stable=True)  # positions, grouped by id, in stream order
+    sorted_ids = ids[order]
+    same_doc = (sorted_ids[1:] == sorted_ids[:-1]) & (sorted_ids[1:] >= 0)
+    jumps = same_doc & (order[1:] - order[:-1] != 1)
+    return [ids.min(), ids.max(), jumps.sum()]
+
+
+def segments_from_counters(ids: torch.Tensor, values: list, name: str) -> Segments:
+    """Raise on what :func:`id_counters` found (``values``: their host values)."""
+    lo, hi, n_split = (int(v) for v in values)
+    if lo < -1:
+        raise ValueError(f"document_ids must be >= -1 (-1 = padding), got min {lo}")
+    if n_split:
+        raise ValueError(
+            "document_ids must keep each document's tokens contiguous in the (row-major) "
+            f"flattened stream; {n_split} token(s) of a document come after another document "
+            f"or padding. Ids that restart in every row of a [B, T] {name} must be made "
+            "global (e.g. offset each row's ids), and a document must not resume later"
+        )
+    return Segments(ids, hi + 1 if hi >= 0 else 0)
+
+
 def document_segments(like: torch.Tensor, document_ids: torch.Tensor | None, name: str) -> Segments:
     """Document of each flattened token of ``like`` (named ``name`` in errors).
 
     ``[B, T]`` without ``document_ids``: each row is one document. Otherwise ``document_ids``
-    must have ``like``'s shape and integer ids >= -1 (one host sync for the range).
+    must have ``like``'s shape, integer ids >= -1, each document contiguous (one host sync).
     """
     if document_ids is None:
         if like.dim() != 2:
@@ -61,17 +116,6 @@ def document_segments(like: torch.Tensor, document_ids: torch.Tensor | None, nam
             )
         b, t = like.shape
         return Segments(torch.arange(b, device=like.device).repeat_interleave(t), b)
-    if not isinstance(document_ids, torch.Tensor) or document_ids.is_floating_point():
-        raise ValueError(f"document_ids must be an int64 tensor, got {document_ids!r}")
-    if document_ids.shape != like.shape:
-        raise ValueError(
-            f"document_ids must have {name}' shape {list(like.shape)}, "
-            f"got {list(document_ids.shape)}"
-        )
-    ids = document_ids.reshape(-1).long()
-    if ids.numel():
-        lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync
-        if lo < -1:
-            raise ValueError(f"document_ids must be >= -1 (-1 = padding), got min {lo}")
-        return Segments(ids, hi + 1 if hi >= 0 else 0)
-    return Segments(ids, 0)
+    ids = check_document_ids(like, document_ids, name)
+    values = torch.stack(id_counters(ids)).tolist()  # one host sync
+    return segments_from_counters(ids, values, name)

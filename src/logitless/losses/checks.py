@@ -15,7 +15,12 @@ import torch
 
 from .._checks import check_full_precision, fmt_shape
 from ..parallel import collectives
-from ._segments import Segments, document_segments
+from ._segments import (
+    Segments,
+    check_document_ids,
+    id_counters,
+    segments_from_counters,
+)
 from .config import PolicyLossConfig
 from .normalizer import LossNormalizer
 
@@ -78,44 +83,53 @@ def _check_float(name: str, t: object, shape: torch.Size) -> torch.Tensor:
     return t
 
 
-def _check_advantages(advantages: object, logprobs: torch.Tensor) -> int | None:
-    """Per-token (None) or per-sequence (their number) advantages; the count is checked later."""
+def _check_advantages(advantages: object, logprobs: torch.Tensor, has_ids: bool) -> int | None:
+    """Per-token (None) or per-sequence (their number) advantages; the count is checked later.
+
+    One rule for every entry point: per-sequence advantages are one per *document*. Without
+    ``document_ids`` the documents of a ``[B, T]`` input are its rows (``[B]``); with them,
+    there is one advantage per document id (``[D]``, D = 1 + the largest id), whatever the
+    input's shape.
+    """
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
         raise ValueError(f"advantages must be a floating-point tensor, got {advantages!r}")
     if advantages.shape == logprobs.shape:
         return None
     if advantages.dim() == 1:
-        # one value per sequence: [B] for [B, T] input, [num_documents] for packed input
-        if logprobs.dim() == 2 and advantages.shape[0] != logprobs.shape[0]:
+        if logprobs.dim() == 2 and not has_ids and advantages.shape[0] != logprobs.shape[0]:
             raise ValueError(
                 f"advantages must have shape {list(logprobs.shape)} (per token) or "
-                f"[{logprobs.shape[0]}] (per sequence), got {fmt_shape(advantages)}"
+                f"[{logprobs.shape[0]}] (one per row: without document_ids each row is one "
+                f"sequence), got {fmt_shape(advantages)}"
             )
         return advantages.shape[0]
+    what = "[num_documents] (one per document id)" if has_ids else "[B] (one per row)"
     raise ValueError(
         f"advantages must have logprobs' shape {list(logprobs.shape)} (per token) or "
-        f"[num_sequences] (per sequence), got {fmt_shape(advantages)}"
+        f"{what} (per sequence), got {fmt_shape(advantages)}"
     )
 
 
 def _check_advantage_count(
     advantages: torch.Tensor, own: int | None, smallest: int | None, size: int, grouped: bool
 ) -> None:
-    """Per-sequence advantages must cover every document id (of the whole group)."""
-    if smallest is None or smallest >= size:
+    """Per-sequence advantages: exactly one per document (of the whole group). More would be
+    silently ignored (the usual "forgot to slice the micro-batch" mistake), fewer unusable."""
+    if own is None and smallest is None:
         return
     where = " over the context group" if grouped else ""
-    if own is not None and own < size:
+    if own is not None and own != size:
         raise ValueError(
-            f"advantages must have logprobs' shape (per token) or [num_sequences] with "
-            f"num_sequences >= {size} (1 + the largest document id{where}) (per sequence), "
-            f"got {fmt_shape(advantages)}"
+            f"advantages: {own} per-sequence values for {size} documents (1 + the largest "
+            f"document id{where}); pass exactly one per document (more usually means the "
+            f"micro-batch's advantages were not sliced), or logprobs' shape (per token)"
         )
-    raise ValueError(
-        f"advantages: another rank of the context group passed {smallest} per-sequence "
-        f"advantages, fewer than the {size} documents of the group (1 + the largest document "
-        "id); every rank must pass the advantages of every document"
-    )
+    if smallest is not None and smallest != size:
+        raise ValueError(
+            f"advantages: another rank of the context group passed {smallest} per-sequence "
+            f"advantages for the {size} documents of the group (1 + the largest document "
+            "id); every rank must pass the advantages of every document"
+        )
 
 
 def _norm_length(config: PolicyLossConfig, logprobs: torch.Tensor, grouped: bool) -> float | None:
@@ -194,8 +208,21 @@ def _local_checks(
     ):
         if t is not None:
             _check_float(name, t, shape)
-    seg = document_segments(logprobs, document_ids, "logprobs")
-    adv_len = _check_advantages(advantages, logprobs)
+    _check_devices(
+        logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        mask=mask,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        entropy=entropy,
+    )
+    if document_ids is None and logprobs.dim() != 2:
+        raise ValueError(
+            f"document_ids is required for a packed [N] stream; logprobs has shape "
+            f"{list(shape)} and document_ids is None"
+        )
+    adv_len = _check_advantages(advantages, logprobs, document_ids is not None)
     if normalizer is not None:
         if not isinstance(normalizer, LossNormalizer):
             raise ValueError(
@@ -207,10 +234,142 @@ def _local_checks(
                 "normalizer.num_sequences": normalizer.num_sequences,
             }
         )
+    seg = _read_values(
+        logprobs,
+        mask,
+        document_ids,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        adv_len=adv_len,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        normalizer=normalizer,
+    )
     key = stats_key(config, logprobs, document_ids, rollout_logprobs)
     if document_stats is not None:
         _check_stats(document_stats, key, seg)
     return seg, adv_len, _norm_length(config, logprobs, grouped), key
+
+
+# Log-probs that are all >= 0 with some above this are probabilities passed by mistake (a real
+# batch has negative log-probs; engines' rounding noise stays within it).
+_LOGPROB_TOLERANCE = 1e-3
+
+
+def _check_devices(logprobs: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != logprobs.device:
+            raise ValueError(
+                f"{name} must be on logprobs' device {logprobs.device}, got {t.device}"
+            )
+
+
+def _read_values(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    *,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    adv_len: int | None,
+    ref_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    normalizer: LossNormalizer | None,
+) -> Segments:
+    """Every check on values, read on the host in one transfer (one sync); returns the
+    segments.
+
+    What is an error and what is the caller's data, for the tokens that count (mask true, not
+    padding): a NaN or ``+inf`` in ``old_logprobs``, ``ref_logprobs`` or ``rollout_logprobs``
+    is an error, and so is a tensor whose values are all ``>= 0`` with some above
+    ``_LOGPROB_TOLERANCE`` (probabilities passed for log-probabilities); ``-inf`` is data (a
+    token that policy gave probability 0), which the loss's ratio clamps keep finite, and so is
+    a stray positive value (noise). A non-finite advantage is an error. Normalizer counts must
+    be finite, >= 0 and at least this call's own valid tokens and sequences (a smaller count
+    would scale the loss up).
+    """
+    rows = logprobs.shape[0] if logprobs.dim() == 2 else None
+    if document_ids is None:
+        ids = torch.arange(rows, device=logprobs.device).repeat_interleave(logprobs.shape[1])
+        counters: list[torch.Tensor] = []
+    else:
+        ids = check_document_ids(logprobs, document_ids, "logprobs")
+        counters = id_counters(ids)
+    valid = mask.reshape(-1) & (ids >= 0)  # [N]
+    names: list[str] = []
+
+    def bad_logprobs(name: str, t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        flat = t.reshape(-1)
+        counters.append((valid & (flat.isnan() | (flat == float("inf")))).sum())
+        # all valid values >= 0 with some above the tolerance: probabilities, not log-probs
+        lowest = torch.where(valid, flat, float("inf")).amin() if flat.numel() else flat.sum()
+        highest = torch.where(valid, flat, float("-inf")).amax() if flat.numel() else flat.sum()
+        counters.append(((lowest >= 0) & (highest > _LOGPROB_TOLERANCE)).sum())
+        names.append(name)
+
+    bad_logprobs("old_logprobs", old_logprobs)
+    bad_logprobs("ref_logprobs", ref_logprobs)
+    bad_logprobs("rollout_logprobs", rollout_logprobs)
+    if adv_len is None:
+        counters.append((valid & ~advantages.reshape(-1).isfinite()).sum())
+    else:
+        counters.append((~advantages.isfinite()).sum())
+    names.append("advantages")
+    if normalizer is not None:
+        # this call's valid tokens and documents with one (first valid token of each id)
+        key = torch.where(valid, ids, -1)
+        ordered = torch.sort(key, stable=True).values
+        first = (ordered >= 0) & torch.cat(
+            [ordered.new_ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]]
+        )
+        norm = [
+            torch.as_tensor(c, dtype=torch.float64, device=ids.device)
+            for c in (normalizer.num_tokens, normalizer.num_sequences)
+        ]
+        counters += [valid.sum(), first.sum(), *norm]
+    if not counters:
+        return Segments(ids, rows)
+    values = torch.stack([c.double() for c in counters]).tolist()  # the one host sync
+    seg = Segments(ids, rows)
+    if document_ids is not None:
+        seg = segments_from_counters(ids, values[:3], "logprobs")
+        values = values[3:]
+    for name in names[:-1]:  # the log-prob tensors: two counters each
+        n_bad, looks_like_probs = values[:2]
+        values = values[2:]
+        if n_bad:
+            raise ValueError(
+                f"{name} must be log-probabilities: NaN or +inf at {int(n_bad)} token(s) that "
+                "count (-inf, a probability of 0, is accepted)"
+            )
+        if looks_like_probs:
+            raise ValueError(
+                f"{name} look like probabilities, not log-probabilities: every value at the "
+                f"tokens that count is >= 0 and some exceed {_LOGPROB_TOLERANCE}. Pass their log"
+            )
+    if values[0]:
+        raise ValueError(
+            f"advantages must be finite; {int(values[0])} value(s) used by this call are NaN "
+            "or infinite (e.g. a group-normalized advantage of a group with a NaN reward)"
+        )
+    values = values[1:]
+    if normalizer is not None:
+        tokens, seqs, n_tokens, n_seqs = values
+        for what, mine, given in (
+            ("num_tokens", tokens, n_tokens),
+            ("num_sequences", seqs, n_seqs),
+        ):
+            if not (given >= 0 and given < float("inf")):
+                raise ValueError(f"normalizer.{what} must be finite and >= 0, got {given}")
+            if given + 0.5 < mine:
+                raise ValueError(
+                    f"normalizer.{what} = {given:g} is smaller than this call's own {mine:g}: "
+                    "the normalizer must count the whole step (every micro-batch and rank), "
+                    "else the loss is scaled up"
+                )
+    return seg
 
 
 def _check_stats(stats: object, key: int, seg: Segments) -> None:

@@ -24,6 +24,14 @@ MISMATCH_IS = (None, "token", "sequence")
 MISMATCH_SEQ_MASKS = (None, *_SEQUENCE_STATISTICS)
 
 
+_BAND_FIELDS = (
+    "mismatch_token_mask",
+    "mismatch_seq_mask_range",
+    "ratio_token_mask",
+    "ratio_seq_mask_range",
+)
+
+
 def _choice(field: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
@@ -130,6 +138,12 @@ class PolicyLossConfig:
     ratio_seq_mask_range: tuple[float, float] = (0.5, 2.0)
 
     def __post_init__(self) -> None:
+        # JSON / YAML give the band pairs back as lists: store tuples, so a round-tripped
+        # config compares equal and stays hashable.
+        for name in _BAND_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
         _choice("surrogate", self.surrogate, SURROGATES)
         _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         _choice("aggregation", self.aggregation, AGGREGATIONS)

@@ -51,8 +51,15 @@ class LossNormalizer:
             if isinstance(v, torch.Tensor):
                 if v.numel() != 1 or v.dtype == torch.bool:
                     raise ValueError(f"{name} must be a scalar tensor or number, got {v!r}")
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"{name} must be a number >= 0 or a scalar tensor, got {v!r}")
+            elif (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+            ):
+                raise ValueError(
+                    f"{name} must be a finite number >= 0 or a scalar tensor, got {v!r}"
+                )
         _check_loss_scale(self.loss_scale)
 
 
@@ -81,6 +88,10 @@ def _local_counts(
         if not isinstance(mask, torch.Tensor) or mask.dim() not in (1, 2):
             got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"masks[{k}] must be a [N] or [B, T] tensor, got {got}")
+        if mask.dtype != torch.bool:
+            raise ValueError(
+                f"masks[{k}] must be a bool tensor (as policy_loss's mask), got {mask.dtype}"
+            )
         seg = document_segments(mask, ids, "mask")
         out.append((mask.reshape(-1).bool() & (seg.ids >= 0), seg))
     return out

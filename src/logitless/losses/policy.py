@@ -250,7 +250,9 @@ def compute_policy_loss(
             seg,
         )  # [N]
         per_token = per_token * (is_weight * keep)
-        metrics["mismatch_kl"] = weighted_mean(torch.expm1(log_rho) - log_rho, mweights)
+        # clamped like approx_kl: a rollout log-prob of -inf (probability 0) keeps it finite
+        lr = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        metrics["mismatch_kl"] = weighted_mean(torch.expm1(lr) - lr, mweights)
         metrics["is_weight_mean"] = weighted_mean(is_weight, mweights)
         metrics["is_weight_min"] = extreme(is_weight, valid, largest=False)
         metrics["is_weight_max"] = extreme(is_weight, valid, largest=True)
