@@ -94,6 +94,24 @@ def linear_logprobs(
     """
     chunk_size = check_chunk_size(chunk_size)
     check_flag("with_entropy", with_entropy)
+    if vocab_parallel is None and torch.compiler.is_compiling():
+        # Compiled code calls the op as one opaque custom op (same checks and kernels inside):
+        # the checks' host read and the data-dependent row selection cannot be traced.
+        from .kernels.compiled import linear_logprobs_op
+
+        return linear_logprobs_op(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            temperature=temperature,
+            softcap=softcap,
+            with_entropy=with_entropy,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            head_dtype=head_dtype,
+            backend=backend,
+        )
     args = check_head_call(
         hidden,
         weight,
