@@ -1,6 +1,6 @@
 """Worker subprocess: measure one method on one workload and print one JSON result line.
 
-Run as ``python -m logitless.bench.worker '<json>'`` with ``{"method": ..., "workload":
+Run as ``python -m logitless.apps.bench.worker '<json>'`` with ``{"method": ..., "workload":
 {...}}``. The last stdout line starting with :data:`RESULT_PREFIX` carries the result:
 ``status`` is ``ok`` (with times and memory), ``skipped`` or ``failed`` (with ``reason``).
 A crash that kills the process (OOM killer, segfault) is reported by the parent instead.

@@ -31,7 +31,7 @@ cross-entropy on *random* digit answers) first teaches the format; the answers a
 the RL reward starts at chance (0.1) and what it gains above that is RL's work. The warm-up
 policy is the KL reference.
 
->>> from logitless.demo import DemoConfig, run_demo
+>>> from logitless.apps.demo import DemoConfig, run_demo
 >>> result = run_demo(DemoConfig(steps=2, vocab=256, warmup=2), progress=False)
 >>> [row.step for row in result.rows]
 [1, 2]
@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from .advantages import grpo_advantages
-from .losses import PolicyLossConfig, policy_loss
+from ..advantages import grpo_advantages
+from ..losses import PolicyLossConfig, policy_loss
 
 if TYPE_CHECKING:  # transformers is an optional dependency (extra "hf")
     from transformers import PreTrainedModel
@@ -408,7 +408,7 @@ def token_logprobs(
     """
     if naive:
         return _naive_logprobs(model, ids, labels, with_entropy)
-    from .integrations.hf import causal_lm_logprobs
+    from ..integrations.hf import causal_lm_logprobs
 
     out = causal_lm_logprobs(model, ids, labels=labels, with_entropy=with_entropy)
     return out.logprobs, out.entropy
@@ -485,7 +485,7 @@ def step_loss(
             ref_logprobs=batch.ref_logprobs,
             entropy=entropy,
         )
-    from .integrations.hf import causal_lm_policy_loss
+    from ..integrations.hf import causal_lm_policy_loss
 
     return causal_lm_policy_loss(
         model,
