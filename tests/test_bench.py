@@ -163,3 +163,17 @@ def test_cce_fp32_on_cuda_is_unavailable_not_failed() -> None:
     assert reason is not None and "float32" in reason and "bfloat16" in reason
     assert cce.unavailable(_work(device="cuda", dtype="bfloat16")) is None
     assert cce.unavailable(_work(device="cpu", dtype="float32")) is None
+
+
+def test_library_does_not_import_the_apps() -> None:
+    """``import logitless`` loads nothing from ``logitless.apps``, and the demo nothing from the
+    bench (both measure memory with ``logitless.apps.memory``). A fresh interpreter, since this
+    one has imported them already."""
+    code = (
+        "import sys, logitless\n"
+        "assert not [m for m in sys.modules if m.startswith('logitless.apps')], 'library'\n"
+        "import logitless.apps.demo\n"
+        "assert not [m for m in sys.modules if m.startswith('logitless.apps.bench')], 'demo'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

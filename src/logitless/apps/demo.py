@@ -53,6 +53,7 @@ import torch
 
 from ..advantages import grpo_advantages
 from ..losses import PolicyLossConfig, policy_loss
+from .memory import peak_memory_meter
 
 if TYPE_CHECKING:  # transformers is an optional dependency (extra "hf")
     from transformers import PreTrainedModel
@@ -521,7 +522,7 @@ def _warmup(
 
 
 class _StepMemory:
-    """Peak extra memory of a region (the meters of ``logitless bench``).
+    """Peak extra memory of a region, with the meters of :mod:`logitless.apps.memory`.
 
     CUDA: ``max_memory_allocated`` minus ``memory_allocated`` at start (peak stats reset). CPU
     (Linux): the RSS high-water mark (``VmHWM``), reset through ``/proc/self/clear_refs``,
@@ -531,9 +532,7 @@ class _StepMemory:
     """
 
     def __init__(self, device: torch.device) -> None:
-        from .bench.worker import CpuPeakMemory, CudaPeakMemory
-
-        self._meter = CudaPeakMemory(device) if device.type == "cuda" else CpuPeakMemory()
+        self._meter = peak_memory_meter(device)
         self.peak_bytes = 0
 
     @property
