@@ -8,6 +8,7 @@ plainest form; it shares no code with the implementation.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -145,7 +146,9 @@ def test_matches_reference_every_variant_and_aggregation(surrogate, aggregation)
         mismatch_is_cap=1.1,
         dual_clip=1.3 if surrogate == "ppo_clip" else None,
     )
-    batch = make_batch(seed=hash((surrogate, aggregation)) % 1000)
+    # a seed per case that is the same in every run (hash() of a str varies with
+    # PYTHONHASHSEED, so a failure could not be reproduced)
+    batch = make_batch(seed=zlib.crc32(f"{surrogate} {aggregation}".encode()) % 1000)
     lp = batch["lp"].clone().requires_grad_(True)
     ent = batch["ent"].clone().requires_grad_(True)
     loss, metrics = policy_loss(
