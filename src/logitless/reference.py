@@ -1,8 +1,9 @@
 """Naive full-logits implementations: the oracle for tests and the baseline for benchmarks.
 
 These materialize the whole ``[..., V]`` logits tensor exactly as a hand-written training step
-would. They share signatures and input checks with the fused ops, so a test or a benchmark can
-swap one for the other.
+would. :func:`linear_logprobs` takes the arguments of :func:`logitless.linear_logprobs` but
+``vocab_parallel`` and ``backend``, and runs the same input checks, so a test or a benchmark
+can swap one for the other on one process.
 """
 
 from __future__ import annotations

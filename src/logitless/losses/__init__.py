@@ -1,7 +1,7 @@
 """RL policy losses on per-token tensors: small pure functions and one entry point.
 
 The losses never import the LM head: they take log-probs (and entropy) computed by
-:func:`logitless.linear_logprobs` or anything else. See ``docs/losses.md``.
+:func:`logitless.linear_logprobs` or anything else. See the README, "Policy losses".
 """
 
 from .aggregation import aggregation_weights, metric_weights

@@ -63,7 +63,7 @@ def _band(field: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Options of :func:`logitless.losses.policy_loss` (see ``docs/losses.md`` for formulas).
+    """Options of :func:`logitless.losses.policy_loss` (formulas: README, "Policy losses").
 
     Surrogate
         surrogate: ``"ppo_clip" | "cispo" | "sapo" | "gmpo" | "reinforce" | "dppo"``.
