@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import logitless
-from logitless.bench.worker import CpuPeakMemory
+from logitless.apps.memory import CpuPeakMemory
 
 
 def _rank(rank: int, tp: int, args, init: str, out: str) -> None:

@@ -10,13 +10,13 @@ echo the last digit of its prompt: the reward rises from chance (0.1) to ~1 in 2
 progress bar shows reward, loss, KL to the initial policy and entropy; the summary gives the
 reward first -> last and the peak memory of a step; the plot (demo-results/) shows both per
 step. The loop itself (sampling with the KV cache, GRPO advantages, no-grad old and reference
-log-probs, the clipped loss with a KL term, AdamW) is in ``logitless/demo.py``: read
+log-probs, the clipped loss with a KL term, AdamW) is in ``logitless/apps/demo.py``: read
 ``rollout``, ``step_loss`` and ``run_demo`` there.
 """
 
 import sys
 
-from logitless.cli import main
+from logitless.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["demo", *sys.argv[1:]]))

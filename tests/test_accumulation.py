@@ -8,18 +8,12 @@ at once (all its micro-batches, from all ranks, concatenated into one packed str
 
 from __future__ import annotations
 
-import datetime
-import doctest
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _dist import spawn
 
-import logitless.accumulation
 from logitless import PolicyLossConfig, loss_normalizer, policy_loss
 from logitless.accumulation import StepAccumulator
 
@@ -280,11 +274,6 @@ def test_micro_batch_losses_sum_to_the_whole_step(aggregation):
     assert n_steps == 3
 
 
-def test_module_example_runs():
-    result = doctest.testmod(logitless.accumulation, raise_on_error=False, verbose=False)
-    assert result.attempted >= 1 and result.failed == 0
-
-
 # ---------------------------------------------------------------------------------------------
 # bad input
 
@@ -421,53 +410,41 @@ def _shard(mb, rank: int):
     return {"uid": mb["uid"], **{k: v[lo:hi] for k, v in mb.items() if k != "uid"}}
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),  # a lockstep bug fails instead of hanging
-    )
+def _worker(rank: int, world_size: int) -> dict:
     world = dist.group.WORLD
-    try:
-        data = _rank_data()
-        mine = data[rank]
-        results = {}
-        for name, budget, aggregation, average in RUNS:
-            scale = {"loss_scale": float(WORLD)} if average else {}
-            acc = StepAccumulator(_mask_of, _ids_of, process_group=world, **budget, **scale)
-            results[name] = _train(acc, mine, CONFIGS[aggregation], average=average)
-        # context parallelism: both ranks hold halves of the same micro-batches
-        shards = [_shard(mb, rank) for mb in data[0] + data[1]]
-        for aggregation in CONFIGS:
-            acc = StepAccumulator(_mask_of, _ids_of, docs_per_step=5, context_group=world)
-            cfg = CONFIGS[aggregation]
-            results[f"cp_{aggregation}"] = _train(acc, shards, cfg, context_group=world)
-        # bad content on rank 1 only (its second micro-batch): every rank raises, none hangs
-        errors = []
-        for budget in (dict(docs_per_step=100), dict(micro_batches_per_step=3)):
+    data = _rank_data()
+    mine = data[rank]
+    results = {}
+    for name, budget, aggregation, average in RUNS:
+        scale = {"loss_scale": float(WORLD)} if average else {}
+        acc = StepAccumulator(_mask_of, _ids_of, process_group=world, **budget, **scale)
+        results[name] = _train(acc, mine, CONFIGS[aggregation], average=average)
+    # context parallelism: both ranks hold halves of the same micro-batches
+    shards = [_shard(mb, rank) for mb in data[0] + data[1]]
+    for aggregation in CONFIGS:
+        acc = StepAccumulator(_mask_of, _ids_of, docs_per_step=5, context_group=world)
+        cfg = CONFIGS[aggregation]
+        results[f"cp_{aggregation}"] = _train(acc, shards, cfg, context_group=world)
+    # bad content on rank 1 only (its second micro-batch): every rank raises, none hangs
+    errors = []
+    for budget in (dict(docs_per_step=100), dict(micro_batches_per_step=3)):
 
-            def mask_of(mb):
-                return mb["mask"].double() if mb["uid"] == (1, 1) else mb["mask"]
+        def mask_of(mb):
+            return mb["mask"].double() if mb["uid"] == (1, 1) else mb["mask"]
 
-            acc = StepAccumulator(mask_of, _ids_of, process_group=world, **budget)
-            try:
-                list(acc.steps(mine))
-                errors.append(None)
-            except ValueError as e:
-                errors.append(str(e))
-        results["errors"] = errors
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        acc = StepAccumulator(mask_of, _ids_of, process_group=world, **budget)
+        try:
+            list(acc.steps(mine))
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    results["errors"] = errors
+    return results
 
 
 def test_two_ranks_uneven_micro_batches_match_the_whole_step():
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(init_file, tmp), nprocs=WORLD, join=True)
-        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    # a lockstep bug fails after 30 s instead of hanging
+    per_rank = spawn(_worker, WORLD, timeout_s=30)
     data = _rank_data()
     by_uid = {mb["uid"]: mb for mbs in data.values() for mb in mbs}
     assert _simulate(data, "docs_per_step", 5) == DOC_STEPS  # the hand-worked boundaries

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from logitless.bench.harness import CSV_COLUMNS, Row, add_ratios, append_csv, run_method
-from logitless.bench.workload import Workload
-from logitless.cli import main
+from logitless.apps.bench.harness import CSV_COLUMNS, Row, add_ratios, append_csv, run_method
+from logitless.apps.bench.workload import Workload
+from logitless.apps.cli import main
 
 TINY = ["--tokens", "32", "--hidden", "32", "--vocab", "512", "--repeats", "1", "--threads", "1"]
 METHODS = ["naive", "logitless", "floor3", "floor4"]
@@ -156,10 +156,24 @@ def test_csv_with_other_columns_is_refused_before_running(
 def test_cce_fp32_on_cuda_is_unavailable_not_failed() -> None:
     """CCE's CUDA kernel has no fp32 backward: the bench lists it with a reason; its bf16 CUDA
     path and its CPU path (any dtype) stay available."""
-    from logitless.bench.methods import get_method
+    from logitless.apps.bench.methods import get_method
 
     cce = get_method("logprobs", "cce")
     reason = cce.unavailable(_work(device="cuda", dtype="float32"))
     assert reason is not None and "float32" in reason and "bfloat16" in reason
     assert cce.unavailable(_work(device="cuda", dtype="bfloat16")) is None
     assert cce.unavailable(_work(device="cpu", dtype="float32")) is None
+
+
+def test_library_does_not_import_the_apps() -> None:
+    """``import logitless`` loads nothing from ``logitless.apps``, and the demo nothing from the
+    bench (both measure memory with ``logitless.apps.memory``). A fresh interpreter, since this
+    one has imported them already."""
+    code = (
+        "import sys, logitless\n"
+        "assert not [m for m in sys.modules if m.startswith('logitless.apps')], 'library'\n"
+        "import logitless.apps.demo\n"
+        "assert not [m for m in sys.modules if m.startswith('logitless.apps.bench')], 'demo'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

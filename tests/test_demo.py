@@ -20,8 +20,8 @@ from _tolerance import assert_no_worse_than_reference
 
 pytest.importorskip("transformers", reason="the demo's policy is a transformers model")
 
-from logitless import cli  # noqa: E402
-from logitless.demo import (  # noqa: E402
+from logitless.apps import cli  # noqa: E402
+from logitless.apps.demo import (  # noqa: E402
     DIGIT0,
     IGNORE,
     Batch,

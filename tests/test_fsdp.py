@@ -20,23 +20,19 @@ average is then the whole-batch gradient.
 
 from __future__ import annotations
 
-import doctest
-import os
 import pickle
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _dist import spawn
 from _tolerance import assert_no_worse_than_reference
 from torch import nn
 
-import logitless.modules
 from logitless import (
     LossNormalizer,
     PolicyLossConfig,
@@ -495,7 +491,6 @@ def test_pickle_and_repr():
     assert copy.weight is not head.weight and copy.bias is None
     text = repr(LogprobHead(nn.Linear(H, V), with_entropy=True))
     assert f"vocab={V}, hidden={H}, bias=True" in text and "with_entropy=True" in text
-    assert doctest.testmod(logitless.modules, raise_on_error=False).failed == 0
 
 
 # ----------------------------------------------------------------------------- FSDP2 workers
@@ -518,62 +513,58 @@ def shard(model: TinyDecoder, case: Case, mesh) -> None:
     fully_shard(model, mesh=mesh, **mp_keep_inputs)
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        results: dict = {}
-        view_warnings: list[str] = []  # FSDP2: a head output that is a view can lose its hook
-        for case in CASES:
-            d = batch(case)
-            model = make_model(case, case.dtype)
-            shard(model, case, mesh)
-            # FSDP2 averages gradients over the ranks: backpropagate each share times WORLD.
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                loss = run_step(model, case, d, ROWS[rank], float(WORLD), dist.group.WORLD)
-            view_warnings += [
-                str(w.message) for w in caught if "Head) returned a view" in str(w.message)
-            ]
-            grads = {}
-            for name, p in model.named_parameters():
-                assert type(p).__name__ == "DTensor", f"{case.name}: {name} is not sharded"
-                assert p.grad is not None, f"{case.name}: no gradient reached {name}"
-                assert p.grad.dtype == case.dtype, (case.name, name, p.grad.dtype)
-                grads[name] = p.grad.full_tensor().double()
-            results[case.name] = (loss, grads)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results: dict = {}
+    view_warnings: list[str] = []  # FSDP2: a head output that is a view can lose its hook
+    for case in CASES:
+        d = batch(case)
+        model = make_model(case, case.dtype)
+        shard(model, case, mesh)
+        # FSDP2 averages gradients over the ranks: backpropagate each share times WORLD.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = run_step(model, case, d, ROWS[rank], float(WORLD), dist.group.WORLD)
+        view_warnings += [
+            str(w.message) for w in caught if "Head) returned a view" in str(w.message)
+        ]
+        grads = {}
+        for name, p in model.named_parameters():
+            assert type(p).__name__ == "DTensor", f"{case.name}: {name} is not sharded"
+            assert p.grad is not None, f"{case.name}: no gradient reached {name}"
+            assert p.grad.dtype == case.dtype, (case.name, name, p.grad.dtype)
+            grads[name] = p.grad.full_tensor().double()
+        results[case.name] = (loss, grads)
 
-        results["view_warnings"] = view_warnings
-        # Misuse: fully_shard on the module the weight came from, not on the head. Sharded
-        # after the head was built, the head would hold a stale full copy; built from the
-        # sharded module, it would get a DTensor. Both raise, saying what to shard.
-        lm_head = nn.Linear(H, V)
-        stale = LogprobHead(lm_head)
-        fully_shard(lm_head, mesh=mesh)
-        for key, head in (("stale", stale), ("dtensor", LogprobHead(lm_head))):
-            try:
-                head(torch.randn(3, H), torch.zeros(3, dtype=torch.long))
-                results[key] = None
-            except ValueError as e:
-                results[key] = str(e)
-
-        # MixedPrecisionPolicy casts a sharded module's floating inputs to param_dtype unless
-        # cast_forward_inputs=False: old log-probs, advantages, normalizer counts would be bf16.
-        cast = PolicyLossHead(nn.Linear(H, V), config=DAPO, head_dtype=torch.float32)
-        fully_shard(cast, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
-        ids = torch.zeros(3, dtype=torch.long)
+    results["view_warnings"] = view_warnings
+    # Misuse: fully_shard on the module the weight came from, not on the head. Sharded
+    # after the head was built, the head would hold a stale full copy; built from the
+    # sharded module, it would get a DTensor. Both raise, saying what to shard.
+    lm_head = nn.Linear(H, V)
+    stale = LogprobHead(lm_head)
+    fully_shard(lm_head, mesh=mesh)
+    for key, head in (("stale", stale), ("dtensor", LogprobHead(lm_head))):
         try:
-            cast(torch.randn(3, H), ids, torch.full((3,), -1.0), torch.ones(1), document_ids=ids)
-            results["cast"] = None
+            head(torch.randn(3, H), torch.zeros(3, dtype=torch.long))
+            results[key] = None
         except ValueError as e:
-            results["cast"] = str(e)
-        results["vocab_parallel"] = vocab_parallel_module_vs_functional()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+            results[key] = str(e)
+
+    # MixedPrecisionPolicy casts a sharded module's floating inputs to param_dtype unless
+    # cast_forward_inputs=False: old log-probs, advantages, normalizer counts would be bf16.
+    cast = PolicyLossHead(nn.Linear(H, V), config=DAPO, head_dtype=torch.float32)
+    fully_shard(cast, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+    ids = torch.zeros(3, dtype=torch.long)
+    try:
+        cast(torch.randn(3, H), ids, torch.full((3,), -1.0), torch.ones(1), document_ids=ids)
+        results["cast"] = None
+    except ValueError as e:
+        results["cast"] = str(e)
+    results["vocab_parallel"] = vocab_parallel_module_vs_functional()
+    return results
 
 
 def vocab_parallel_module_vs_functional() -> list[str]:
@@ -657,9 +648,7 @@ def vocab_parallel_module_vs_functional() -> list[str]:
 
 @pytest.fixture(scope="module")
 def fsdp_results() -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return spawn(_worker, WORLD)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

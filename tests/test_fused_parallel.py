@@ -17,14 +17,10 @@ numbers by 1e-3 or more. The loss layer itself is checked at 1e-12 in test_losse
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 
 from logitless import (
     PolicyLossConfig,
@@ -103,55 +99,43 @@ def _shard(s, rank, world, layout):
     return out
 
 
-def _worker(rank, world, tp, init_file, out_dir):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        cp = world // tp
-        tp_rank, cp_rank = rank % tp, rank // tp
-        # every rank creates every group, in the same order
-        tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
-        cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
-        vp = None
-        if tp > 1:
-            vp = VocabParallel.even(V, tp_groups[cp_rank])
-        results = {}
-        for layout in ("contiguous", "zigzag"):
-            s = _shard(_stream(), cp_rank, cp, layout)
-            w_rows = slice(*even_vocab_range(V, tp_rank, tp))
-            for name, cfg in CONFIGS.items():
-                hidden = s["hidden"].clone().requires_grad_()
-                weight = s["weight"][w_rows].clone().requires_grad_()
-                loss, metrics = _call(
-                    s, hidden, weight, cfg, vocab_parallel=vp, context_group=cp_groups[tp_rank]
-                )
-                (loss * 1.5).backward()
-                results[layout, name] = dict(
-                    loss=loss.detach(), metrics=metrics, hidden=hidden.grad, weight=weight.grad
-                )
-            with torch.no_grad():  # loss only, no gradient pass: still collective-consistent
-                results[layout, "no_grad"] = _call(
-                    s,
-                    s["hidden"],
-                    s["weight"][w_rows],
-                    CONFIGS["gspo seq mean"],
-                    vocab_parallel=vp,
-                    context_group=cp_groups[tp_rank],
-                )[0]
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, tp):
+    cp = world // tp
+    tp_rank, cp_rank = rank % tp, rank // tp
+    # every rank creates every group, in the same order
+    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+    vp = None
+    if tp > 1:
+        vp = VocabParallel.even(V, tp_groups[cp_rank])
+    results = {}
+    for layout in ("contiguous", "zigzag"):
+        s = _shard(_stream(), cp_rank, cp, layout)
+        w_rows = slice(*even_vocab_range(V, tp_rank, tp))
+        for name, cfg in CONFIGS.items():
+            hidden = s["hidden"].clone().requires_grad_()
+            weight = s["weight"][w_rows].clone().requires_grad_()
+            loss, metrics = _call(
+                s, hidden, weight, cfg, vocab_parallel=vp, context_group=cp_groups[tp_rank]
+            )
+            (loss * 1.5).backward()
+            results[layout, name] = dict(
+                loss=loss.detach(), metrics=metrics, hidden=hidden.grad, weight=weight.grad
+            )
+        with torch.no_grad():  # loss only, no gradient pass: still collective-consistent
+            results[layout, "no_grad"] = _call(
+                s,
+                s["hidden"],
+                s["weight"][w_rows],
+                CONFIGS["gspo seq mean"],
+                vocab_parallel=vp,
+                context_group=cp_groups[tp_rank],
+            )[0]
+    return results
 
 
 def _spawn(world, tp):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, tp, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    return spawn(_worker, world, tp)
 
 
 def _single(cfg):

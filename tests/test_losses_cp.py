@@ -15,14 +15,10 @@ run in the test process.
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 from _tolerance import assert_no_worse_than_reference
 
 from logitless import parallel
@@ -378,16 +374,6 @@ def _chunked_with_stats(name, rank, world, layout, group):
 # the spawned worker
 
 
-def _init(rank, world, init_file):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),  # a deadlock fails the test instead of hanging
-    )
-
-
 def _expect_value_error(fn) -> str:
     try:
         fn()
@@ -446,49 +432,38 @@ def _errors(rank, group):
     return out
 
 
-def _worker(rank, world, init_file, out_dir, plan):
-    _init(rank, world, init_file)
-    try:
-        group = dist.group.WORLD
-        results = {}
-        for layout, names, dtypes in plan["cases"]:
-            for dtype in dtypes:
-                for name in names:
-                    results[(layout, name, str(dtype))] = _run_case(
-                        name, dtype, rank, world, layout, group
-                    )
-        for layout, name in plan.get("chunked", []):
-            results[("chunked", layout, name)] = _chunked_with_stats(
-                name, rank, world, layout, group
-            )
-        for layout in plan.get("normalizer", []):
-            norms = {}
-            for stream in ("packed", "sparse", "rows"):
-                d = _stream(stream, torch.float64)
-                dim = _dim(stream)
-                masks = [
-                    parallel.context_parallel_split(d["mask"], rank, world, layout=layout, dim=dim)
-                ]
-                ids = None
-                if d["ids"] is not None:
-                    ids = [parallel.context_parallel_split(d["ids"], rank, world, layout=layout)]
-                n = loss_normalizer(
-                    masks * 2, None if ids is None else ids * 2, context_group=group
+def _worker(rank, world, plan):
+    group = dist.group.WORLD
+    results = {}
+    for layout, names, dtypes in plan["cases"]:
+        for dtype in dtypes:
+            for name in names:
+                results[(layout, name, str(dtype))] = _run_case(
+                    name, dtype, rank, world, layout, group
                 )
-                norms[stream] = (float(n.num_tokens), float(n.num_sequences))
-            results[("normalizer", layout)] = norms
-        if plan.get("errors"):
-            results["errors"] = _errors(rank, group)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    for layout, name in plan.get("chunked", []):
+        results[("chunked", layout, name)] = _chunked_with_stats(name, rank, world, layout, group)
+    for layout in plan.get("normalizer", []):
+        norms = {}
+        for stream in ("packed", "sparse", "rows"):
+            d = _stream(stream, torch.float64)
+            dim = _dim(stream)
+            masks = [
+                parallel.context_parallel_split(d["mask"], rank, world, layout=layout, dim=dim)
+            ]
+            ids = None
+            if d["ids"] is not None:
+                ids = [parallel.context_parallel_split(d["ids"], rank, world, layout=layout)]
+            n = loss_normalizer(masks * 2, None if ids is None else ids * 2, context_group=group)
+            norms[stream] = (float(n.num_tokens), float(n.num_sequences))
+        results[("normalizer", layout)] = norms
+    if plan.get("errors"):
+        results["errors"] = _errors(rank, group)
+    return results
 
 
 def _spawn(world, plan):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(world, init_file, tmp, plan), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    return spawn(_worker, world, plan)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ plainest form; it shares no code with the implementation.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -145,7 +146,9 @@ def test_matches_reference_every_variant_and_aggregation(surrogate, aggregation)
         mismatch_is_cap=1.1,
         dual_clip=1.3 if surrogate == "ppo_clip" else None,
     )
-    batch = make_batch(seed=hash((surrogate, aggregation)) % 1000)
+    # a seed per case that is the same in every run (hash() of a str varies with
+    # PYTHONHASHSEED, so a failure could not be reproduced)
+    batch = make_batch(seed=zlib.crc32(f"{surrogate} {aggregation}".encode()) % 1000)
     lp = batch["lp"].clone().requires_grad_(True)
     ent = batch["ent"].clone().requires_grad_(True)
     loss, metrics = policy_loss(
@@ -539,6 +542,38 @@ def test_metrics_hand_worked():
     assert_close(m["approx_kl"], torch.tensor(sum(k3) / 3, dtype=D))
     # loss: [-1.2, 0.8, -1.0] mean
     assert_close(m["loss"], torch.tensor((-1.2 + 0.8 - 1.0) / 3, dtype=D))
+
+
+def test_clip_fractions_count_their_own_side():
+    # one row, ratios [1.5, 0.5, 0.5, 1.0], A = [1, -1, -1, 1]; eps 0.2: the upper clip is
+    # active on token 0 only, the lower on tokens 1 and 2, so the two fractions differ
+    old = torch.zeros(1, 4, dtype=D)
+    lp = torch.tensor([[math.log(1.5), math.log(0.5), math.log(0.5), 0.0]], dtype=D)
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]], dtype=D)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    _, m = policy_loss(lp, old, adv, mask, config=PolicyLossConfig())
+    assert_close(m["clip_frac_high"], torch.tensor(1 / 4, dtype=D))
+    assert_close(m["clip_frac_low"], torch.tensor(2 / 4, dtype=D))
+
+
+def test_seq_mean_token_mean_metrics_are_means_of_sequence_means():
+    # two sequences of 1 and 3 tokens. Sequence 0: ratio 0.5, A = -1 (lower clip), entropy 3.
+    # Sequence 1: ratios [1.5, 1, 1], A = 1 (upper clip on its first token), entropy 1 each.
+    # Under seq_mean_token_mean every metric is the mean over sequences of the per-sequence
+    # token mean, as the loss is; a token mean would give 1/4, 1/4, 1.0 and 1.5 instead.
+    old = torch.zeros(2, 3, dtype=D)
+    lp = torch.tensor([[math.log(0.5), 0.0, 0.0], [math.log(1.5), 0.0, 0.0]], dtype=D)
+    adv = torch.tensor([[-1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=D)
+    ent = torch.tensor([[3.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=D)
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    cfg = PolicyLossConfig(aggregation="seq_mean_token_mean")
+    loss, m = policy_loss(lp, old, adv, mask, config=cfg, entropy=ent)
+    assert_close(m["clip_frac_low"], torch.tensor((1 + 0) / 2, dtype=D))
+    assert_close(m["clip_frac_high"], torch.tensor((0 + 1 / 3) / 2, dtype=D))
+    assert_close(m["ratio_mean"], torch.tensor((0.5 + (1.5 + 1 + 1) / 3) / 2, dtype=D))
+    assert_close(m["entropy"], torch.tensor((3 + 1) / 2, dtype=D))
+    # per-token PPO losses: sequence 0 max(0.5, 0.8) = 0.8; sequence 1 [-1.2, -1, -1]
+    assert_close(loss, torch.tensor((0.8 + (-1.2 - 1 - 1) / 3) / 2, dtype=D))
 
 
 def test_mismatch_token_mask_drops_policy_term_only():

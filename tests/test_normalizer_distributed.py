@@ -9,14 +9,11 @@ process, and so must the gradients: by hand, under real DDP (whose gradient aver
 from __future__ import annotations
 
 import contextlib
-import gc
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 
 from logitless import PolicyLossConfig, loss_normalizer, parallel, policy_loss
 
@@ -70,31 +67,16 @@ def _manual_results(rank: int) -> list:
     return results
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        results = {"manual": _manual_results(rank), "ddp": _ddp_results(rank)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        # DDP's reducer sits in a reference cycle: free it (and the gloo work it holds) while
-        # the interpreter is alive, after both ranks are done, or it dies at exit with SIGABRT
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(worker, nprocs: int) -> list:
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.spawn(worker, args=(init_file, tmp), nprocs=nprocs, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(nprocs)]
+def _worker(rank: int, world: int) -> dict:
+    # DDP's reducer sits in a reference cycle: the harness frees it (and the gloo work it
+    # holds) after both ranks are done, while the interpreter is alive (tests/_dist.py)
+    return {"manual": _manual_results(rank), "ddp": _ddp_results(rank)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list:
     """One 2-process run for both tests below (each spawn costs seconds)."""
-    return _spawn(_worker, WORLD)
+    return spawn(_worker, WORLD, threads=1)
 
 
 def test_normalizer_all_reduce_matches_single_process(two_ranks):
@@ -275,47 +257,39 @@ def test_ddp_with_loss_scale_gives_the_whole_batch_gradient(two_ranks):
 # (as DDP or FSDP over a mesh that folds the context-parallel ranks in would)
 
 
-def _mesh_worker(rank: int, init_file: str, out_dir: str) -> None:
-    world = 4
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        dp_rank, cp_rank = divmod(rank, 2)
-        # every rank creates every group, in the same order
-        cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        cp_group, dp_group = cp_groups[dp_rank], dp_groups[cp_rank]
-        docs = _documents()
-        # replica 0: two micro-batches, replica 1: one; the zigzag split cuts documents
-        plan = {0: [[0, 1], [2]], 1: [[3, 4, 5]]}[dp_rank]
-        mbs = [
-            {
-                k: v
-                if k == "adv"
-                else parallel.context_parallel_split(v, cp_rank, 2, layout="zigzag")
-                for k, v in _pack(docs, ix, multiple=4).items()
-            }
-            for ix in plan
-        ]
-        model = _model()
-        results = []
-        for cfg in DDP_CONFIGS:
-            norm = loss_normalizer(
-                [mb["mask"] for mb in mbs],
-                [mb["ids"] for mb in mbs],
-                process_group=dp_group,
-                context_group=cp_group,
-                loss_scale=world,  # the gradient average runs over all 4 ranks
-            )
-            loss, grad = _accumulate(model, mbs, cfg, norm, cp_group)
-            results.append((loss, grad, norm.num_tokens, norm.num_sequences))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _mesh_worker(rank: int, world: int) -> list:
+    dp_rank, cp_rank = divmod(rank, 2)
+    # every rank creates every group, in the same order
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cp_group, dp_group = cp_groups[dp_rank], dp_groups[cp_rank]
+    docs = _documents()
+    # replica 0: two micro-batches, replica 1: one; the zigzag split cuts documents
+    plan = {0: [[0, 1], [2]], 1: [[3, 4, 5]]}[dp_rank]
+    mbs = [
+        {
+            k: v if k == "adv" else parallel.context_parallel_split(v, cp_rank, 2, layout="zigzag")
+            for k, v in _pack(docs, ix, multiple=4).items()
+        }
+        for ix in plan
+    ]
+    model = _model()
+    results = []
+    for cfg in DDP_CONFIGS:
+        norm = loss_normalizer(
+            [mb["mask"] for mb in mbs],
+            [mb["ids"] for mb in mbs],
+            process_group=dp_group,
+            context_group=cp_group,
+            loss_scale=world,  # the gradient average runs over all 4 ranks
+        )
+        loss, grad = _accumulate(model, mbs, cfg, norm, cp_group)
+        results.append((loss, grad, norm.num_tokens, norm.num_sequences))
+    return results
 
 
 def test_data_and_context_parallel_gives_the_whole_batch_gradient():
-    per_rank = _spawn(_mesh_worker, 4)
+    per_rank = spawn(_mesh_worker, 4, threads=1)
     whole = _whole_batch_grads()
     valid_tokens = sum(len(n) - 1 for n in (range(k) for k in DOC_LENGTHS))
     for i, (loss, grad) in enumerate(whole):

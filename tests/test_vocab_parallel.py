@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-import tempfile
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import spawn
 from _tolerance import FLOOR, assert_no_worse_than_reference
 
 from logitless import PolicyLossConfig, VocabParallel, fused_policy_loss, linear_logprobs
@@ -303,39 +301,27 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
     return msgs
 
 
-def _worker(rank: int, world: int, uneven: bool, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, uneven: bool) -> dict:
     torch.manual_seed(rank)  # ranks must not rely on shared RNG state
-    try:
-        start, end = _ranges(world, uneven)[rank]
-        results = {}
-        for case in HEAD_CASES + LOSS_CASES:
-            vp = VocabParallel(
-                dist.group.WORLD,
-                start,
-                end,
-                vocab_size=V,
-                reduce_hidden_grad=case.reduce_hidden_grad,
-            )
-            results[case.name] = _run(case, _inputs(case), case.dtype, slice(start, end), vp)
-        if world == 2:
-            results["errors"] = _error_checks(rank, world)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, uneven: bool):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker, args=(world, uneven, os.path.join(tmp, "init"), tmp), nprocs=world, join=True
+    start, end = _ranges(world, uneven)[rank]
+    results = {}
+    for case in HEAD_CASES + LOSS_CASES:
+        vp = VocabParallel(
+            dist.group.WORLD,
+            start,
+            end,
+            vocab_size=V,
+            reduce_hidden_grad=case.reduce_hidden_grad,
         )
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+        results[case.name] = _run(case, _inputs(case), case.dtype, slice(start, end), vp)
+    if world == 2:
+        results["errors"] = _error_checks(rank, world)
+    return results
 
 
 @functools.cache
 def _spawned(world: int, uneven: bool):
-    return world, _ranges(world, uneven), _spawn(world, uneven)
+    return world, _ranges(world, uneven), spawn(_worker, world, uneven)
 
 
 @pytest.fixture(

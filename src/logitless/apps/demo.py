@@ -31,7 +31,7 @@ cross-entropy on *random* digit answers) first teaches the format; the answers a
 the RL reward starts at chance (0.1) and what it gains above that is RL's work. The warm-up
 policy is the KL reference.
 
->>> from logitless.demo import DemoConfig, run_demo
+>>> from logitless.apps.demo import DemoConfig, run_demo
 >>> result = run_demo(DemoConfig(steps=2, vocab=256, warmup=2), progress=False)
 >>> [row.step for row in result.rows]
 [1, 2]
@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from .advantages import grpo_advantages
-from .losses import PolicyLossConfig, policy_loss
+from ..advantages import grpo_advantages
+from ..losses import PolicyLossConfig, policy_loss
+from .memory import peak_memory_meter
 
 if TYPE_CHECKING:  # transformers is an optional dependency (extra "hf")
     from transformers import PreTrainedModel
@@ -408,7 +409,7 @@ def token_logprobs(
     """
     if naive:
         return _naive_logprobs(model, ids, labels, with_entropy)
-    from .integrations.hf import causal_lm_logprobs
+    from ..integrations.hf import causal_lm_logprobs
 
     out = causal_lm_logprobs(model, ids, labels=labels, with_entropy=with_entropy)
     return out.logprobs, out.entropy
@@ -485,7 +486,7 @@ def step_loss(
             ref_logprobs=batch.ref_logprobs,
             entropy=entropy,
         )
-    from .integrations.hf import causal_lm_policy_loss
+    from ..integrations.hf import causal_lm_policy_loss
 
     return causal_lm_policy_loss(
         model,
@@ -521,7 +522,7 @@ def _warmup(
 
 
 class _StepMemory:
-    """Peak extra memory of a region (the meters of ``logitless bench``).
+    """Peak extra memory of a region, with the meters of :mod:`logitless.apps.memory`.
 
     CUDA: ``max_memory_allocated`` minus ``memory_allocated`` at start (peak stats reset). CPU
     (Linux): the RSS high-water mark (``VmHWM``), reset through ``/proc/self/clear_refs``,
@@ -531,9 +532,7 @@ class _StepMemory:
     """
 
     def __init__(self, device: torch.device) -> None:
-        from .bench.worker import CpuPeakMemory, CudaPeakMemory
-
-        self._meter = CudaPeakMemory(device) if device.type == "cuda" else CpuPeakMemory()
+        self._meter = peak_memory_meter(device)
         self.peak_bytes = 0
 
     @property

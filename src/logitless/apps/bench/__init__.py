@@ -4,6 +4,6 @@ Layout: :mod:`.workload` (config + seeded inputs), :mod:`.methods` (task -> meth
 peer adapters), :mod:`.worker` (the subprocess that times one method), :mod:`.harness`
 (orchestration, ratios, table, CSV), :mod:`.plot` (``--plot``).
 
-Nothing is imported here, so ``python -m logitless.bench.worker`` runs the worker module
+Nothing is imported here, so ``python -m logitless.apps.bench.worker`` runs the worker module
 fresh as ``__main__``.
 """

@@ -79,7 +79,7 @@ def run_method(method: str, work: Workload, timeout_s: float | None = None) -> R
     ``failed`` row with the reason; it never propagates.
     """
     spec = json.dumps({"method": method, "workload": work.to_dict()})
-    cmd = [sys.executable, "-m", "logitless.bench.worker", spec]
+    cmd = [sys.executable, "-m", "logitless.apps.bench.worker", spec]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
