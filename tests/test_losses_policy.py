@@ -687,7 +687,7 @@ def test_docs_usage_example_runs():
     import pathlib
     import re
 
-    doc = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "losses.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
     code = next(b for b in blocks if "loss_normalizer(" in b)
     ns: dict = {}

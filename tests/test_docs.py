@@ -1,0 +1,103 @@
+"""Every snippet of the README and of docs/*.md runs as written (a quickstart that does not run
+is a bug): ``python`` blocks are executed; ``py`` blocks that need a process group are excerpts of
+scripts under examples/, which are run here (two gloo processes each) and compared line by line
+with the excerpt."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+OPTIONAL = ("cut_cross_entropy", "liger_kernel", "trl", "transformers", "matplotlib")
+
+
+def _blocks(fence: str) -> list[tuple[str, int, str]]:
+    out = []
+    for page in PAGES:
+        for i, code in enumerate(re.findall(rf"```{fence}\n(.*?)```", page.read_text(), re.S)):
+            out.append((page.relative_to(ROOT).as_posix(), i, code))
+    return out
+
+
+PYTHON = _blocks("python")
+EXCERPTS = _blocks("py")
+
+
+def test_the_docs_have_examples():
+    assert len(PYTHON) >= 10 and EXCERPTS
+
+
+@pytest.mark.parametrize("page, index, code", PYTHON, ids=[f"{p}[{i}]" for p, i, _ in PYTHON])
+def test_python_block_runs(page, index, code):
+    try:
+        exec(compile(code, f"{page}[python block {index}]", "exec"), {})  # noqa: S102
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in OPTIONAL:
+            pytest.skip(f"{e.name} is not installed")
+        raise
+
+
+def _recipe(script: Path) -> str:
+    """The lines between ``# [recipe]`` and ``# [/recipe]`` of ``script``, dedented."""
+    text = script.read_text()
+    body = text[text.index("# [recipe]\n") + len("# [recipe]\n") : text.index("# [/recipe]")]
+    lines = body.rstrip().split("\n")
+    indent = min(len(ln) - len(ln.lstrip()) for ln in lines if ln.strip())
+    return "\n".join(ln[indent:] for ln in lines).strip()
+
+
+@pytest.mark.parametrize("page, index, code", EXCERPTS, ids=[f"{p}[{i}]" for p, i, _ in EXCERPTS])
+def test_excerpt_matches_its_script(page, index, code):
+    first, _, rest = code.partition("\n")
+    match = re.match(r"# from (examples/\S+\.py)", first)
+    assert match, f"{page}: a `py` block must start with '# from examples/<script>.py'"
+    assert rest.strip() == _recipe(ROOT / match.group(1)), f"{page}: excerpt != script"
+
+
+@pytest.mark.parametrize("script", ["tensor_parallel", "data_parallel", "fsdp2"])
+def test_distributed_example_runs(script):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / f"{script}.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "one process" in out.stdout
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lowercase, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _links() -> list[tuple[str, str]]:
+    out = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if not re.match(r"[a-z]+://", target):
+                out.append((page.relative_to(ROOT).as_posix(), target))
+    return out
+
+
+@pytest.mark.parametrize("page, target", _links(), ids=[f"{p}->{t}" for p, t in _links()])
+def test_relative_link_resolves(page, target):
+    path, _, anchor = target.partition("#")
+    file = (ROOT / page).parent / path if path else ROOT / page
+    assert file.exists(), f"{page}: {target} points to a missing file"
+    if anchor and file.suffix == ".md":
+        headings = re.findall(
+            r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(), flags=re.S), re.M
+        )
+        assert anchor in {_slug(h) for h in headings}, f"{page}: no heading for #{anchor}"
