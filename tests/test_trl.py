@@ -489,3 +489,67 @@ def test_no_full_logits_on_the_adapter_path(model_dir, tmp_path, monkeypatch):
     ours.current_gradient_accumulation_steps = 2
     ours.compute_loss(ours.model, inputs).backward()
     assert calls == []
+
+
+# --------------------------------------------------------------------------------------------
+# the preset table of docs/trl.md: rendered from the combinations tested above
+
+
+def _config_text(config) -> str:
+    from dataclasses import asdict, fields
+
+    from logitless.integrations.trl import _NO_BOUND
+
+    defaults = {f.name: f.default for f in fields(config)}
+
+    def show(v):
+        if isinstance(v, float) and v == _NO_BOUND:
+            return "∞"
+        if isinstance(v, tuple):
+            return "(" + ", ".join(show(x) for x in v) + ")"
+        return repr(v)
+
+    items = [f"{k}={show(v)}" for k, v in asdict(config).items() if v != defaults[k]]
+    return ", ".join(items) or "defaults"
+
+
+def preset_table() -> str:
+    """Markdown rows: the TRL options of each tested combination and its PolicyLossConfig."""
+    rows = [
+        "| tested case | TRL options (beyond `GRPOConfig` defaults) | `PolicyLossConfig` |",
+        "|---|---|---|",
+    ]
+    for name, (options, attrs, _) in COMBOS.items():
+        args = trl.GRPOConfig(
+            output_dir="unused", report_to=[], bf16=False, use_cpu=True, **options
+        )
+        for k, v in attrs.items():
+            setattr(args, k, v)
+        trl_text = ", ".join(f"`{k}={v!r}`" for k, v in {**options, **attrs}.items()) or "—"
+        rows.append(f"| `{name}` | {trl_text} | `{_config_text(grpo_loss_config(args))}` |")
+    return "\n".join(rows) + "\n"
+
+
+DOC = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "trl.md"
+
+
+def test_docs_preset_table_is_the_tested_one():
+    """docs/trl.md carries the table rendered from COMBOS (regenerate: python tests/test_trl.py)."""
+    text = DOC.read_text()
+    begin, end = "<!-- trl-presets:begin -->\n", "<!-- trl-presets:end -->"
+    assert begin in text and end in text
+    current = text.split(begin, 1)[1].split(end, 1)[0]
+    assert current == preset_table(), "docs/trl.md preset table is stale:\n" + preset_table()
+
+
+def test_docs_examples_run():
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/trl.md[python block {i}]", "exec"), {})
+
+
+if __name__ == "__main__":
+    print(preset_table(), end="")

@@ -6,7 +6,7 @@ The losses never import the LM head: they take log-probs (and entropy) computed 
 
 from .aggregation import aggregation_weights, metric_weights
 from .config import PolicyLossConfig
-from .kl import kl_k1, kl_k2, kl_k3, kl_k3_k2_grad, kl_penalty
+from .kl import importance_weighted_kl, kl_k1, kl_k2, kl_k3, kl_k3_k2_grad, kl_penalty
 from .mismatch import sequence_mask, token_band_mask, truncated_is_sequence, truncated_is_token
 from .normalizer import LossNormalizer, loss_normalizer
 from .policy import DocumentStats, document_stats, policy_loss
@@ -31,6 +31,7 @@ __all__ = [
     "document_stats",
     "dppo_surrogate",
     "gmpo_surrogate",
+    "importance_weighted_kl",
     "kl_k1",
     "kl_k2",
     "kl_k3",
