@@ -914,8 +914,11 @@ def test_new_options_fused_equals_composed(name):
     linear_logprobs, loss and head gradients; micro-batches sum to the batch. The inputs are
     float64 but the head returns fp32 log-probs, hence fp32 tolerances."""
     import logitless
+    from logitless.fused_loss import is_token_local
 
     cfg = NEW_OPTION_CONFIGS[name]
+    # the new options keep a token-level loss token-local (one fused pass)
+    assert is_token_local(cfg) == (cfg.ratio_level == "token")
     g = torch.Generator().manual_seed(5)
     B, T, H, V = 3, 7, 8, 37
     hidden = torch.randn(B, T, H, generator=g, dtype=D)

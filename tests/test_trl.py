@@ -374,8 +374,8 @@ def _train(cls, model_dir, tmp_path, **options):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"loss_type": "grpo", "beta": 0.05, "entropy_coef": 0.01}],
-    ids=["dapo", "grpo_kl_entropy"],
+    [{}, {"loss_type": "grpo", "beta": 0.05, "entropy_coef": 0.01, "gradient_checkpointing": True}],
+    ids=["dapo", "grpo_kl_entropy_checkpointing"],
 )
 def test_train_matches_trl(options, model_dir, tmp_path):
     """Generation with model.generate, rewards, 2 iterations of the batch (off-policy old
@@ -553,3 +553,12 @@ def test_docs_examples_run():
 
 if __name__ == "__main__":
     print(preset_table(), end="")
+
+
+def test_module_doctests():
+    import doctest
+
+    import logitless.integrations.trl as module
+
+    result = doctest.testmod(module, raise_on_error=False)
+    assert result.attempted > 0 and result.failed == 0

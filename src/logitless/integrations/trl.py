@@ -217,7 +217,8 @@ def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
         ValueError: naming the TRL option that has no logitless equivalent.
 
     >>> import trl
-    >>> cfg = grpo_loss_config(trl.GRPOConfig(loss_type="dapo", epsilon_high=0.28))
+    >>> args = trl.GRPOConfig(output_dir="out", loss_type="dapo", epsilon_high=0.28, bf16=False)
+    >>> cfg = grpo_loss_config(args)
     >>> cfg.surrogate, cfg.clip_low, cfg.clip_high, cfg.aggregation
     ('ppo_clip', 0.2, 0.28, 'token_mean')
     """
