@@ -142,18 +142,19 @@ class PolicyLossConfig:
     kl_estimator: str = "k3"
     kl_log_ratio_clamp: float | None = 20.0
     kl_value_clamp: float | None = 10.0
-    kl_importance_weight: bool = False
     entropy_coef: float = 0.0
-    entropy_aggregation: str | None = None
     mismatch_is: str | None = None
     mismatch_is_cap: float = 2.0
-    mismatch_is_floor: float | None = None
     mismatch_token_mask: tuple[float, float] | None = None
     mismatch_seq_mask: str | None = None
     mismatch_seq_mask_range: tuple[float, float] = (0.5, 2.0)
     ratio_token_mask: tuple[float, float] | None = None
     ratio_seq_mask: str | None = None
     ratio_seq_mask_range: tuple[float, float] = (0.5, 2.0)
+    # added after the first release: kept last so positional construction is unchanged
+    kl_importance_weight: bool = False
+    entropy_aggregation: str | None = None
+    mismatch_is_floor: float | None = None
 
     def __post_init__(self) -> None:
         _choice("surrogate", self.surrogate, SURROGATES)
