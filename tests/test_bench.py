@@ -177,3 +177,31 @@ def test_library_does_not_import_the_apps() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_trl_peer_is_listed_and_computes_the_same_gradients(monkeypatch) -> None:
+    """TRL's chunked head is a logprobs peer: unavailable with the reason without TRL; with it,
+    its step (all rows on CPU, masked, as GRPOTrainer calls it) gives naive's gradients."""
+    from logitless.apps.bench import methods as bench_methods
+    from logitless.apps.bench.workload import make_inputs
+
+    trl_method = bench_methods.get_method("logprobs", "trl")
+    assert trl_method.role == "peer"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "trl" else real_find_spec(name, *a),
+    )
+    assert "logitless[trl]" in trl_method.unavailable(_work())
+    monkeypatch.undo()
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed (pip install 'logitless[trl]')")
+    work = _work()
+    grads = {}
+    for name in ("naive", "trl"):
+        inputs = make_inputs(work)
+        bench_methods.get_method("logprobs", name).build(work, inputs)()
+        grads[name] = (inputs.hidden.grad, inputs.weight.grad)
+    for a, b in zip(grads["trl"], grads["naive"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -727,3 +728,291 @@ def test_bf16_logprobs_compute_in_fp32_and_16bit_loss_inputs_are_refused():
         args = dict(old_logprobs=old32, advantages=batch["adv"].float()) | kwargs
         with pytest.raises(ValueError, match=f"{name} must be float32 or float64"):
             policy_loss(lp16, args["old_logprobs"], args["advantages"], mask, config=cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# importance-weighted KL, entropy aggregation, IS floor (the options TRL's GRPO needs)
+
+
+def _one_row(values, dtype=D):
+    return torch.tensor([values], dtype=dtype)
+
+
+def test_kl_importance_weight_hand_worked():
+    """r · k3 per token, its gradient through both factors: d/dlp [r k3] = r (k3 + 1 - e^x)."""
+    lp = _one_row([math.log(0.5), math.log(0.2)]).requires_grad_(True)
+    old = _one_row([math.log(0.4), math.log(0.2)])  # r = [1.25, 1]
+    ref = _one_row([math.log(0.25), math.log(0.1)])  # x = log ref - lp = [log .5, log .5]
+    cfg = PolicyLossConfig(
+        surrogate="reinforce",
+        kl_coef=1.0,
+        kl_importance_weight=True,
+        kl_log_ratio_clamp=None,
+        kl_value_clamp=None,
+    )
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = policy_loss(lp, old, torch.zeros(1, dtype=D), mask, config=cfg, ref_logprobs=ref)
+    k3 = 0.5 - 1 - math.log(0.5)  # both tokens
+    r = [1.25, 1.0]
+    assert_close(loss, torch.tensor((r[0] * k3 + r[1] * k3) / 2, dtype=D))
+    assert_close(m["kl_ref"], loss.detach())
+    (g,) = torch.autograd.grad(loss, lp)
+    expected = torch.tensor([[ri * (k3 + 1 - 0.5) / 2 for ri in r]], dtype=D)
+    assert_close(g, expected)
+    # without the weight the gradient at r = 1 is the plain k3 gradient, 1 - e^x
+    plain = PolicyLossConfig(
+        surrogate="reinforce", kl_coef=1.0, kl_log_ratio_clamp=None, kl_value_clamp=None
+    )
+    lp2 = lp.detach().clone().requires_grad_(True)
+    loss2, _ = policy_loss(lp2, old, torch.zeros(1, dtype=D), mask, config=plain, ref_logprobs=ref)
+    assert_close(torch.autograd.grad(loss2, lp2)[0], torch.tensor([[0.25, 0.25]], dtype=D))
+
+
+def _ref_sequence_kl_weight(batch, lp, cfg):
+    """Σ_d Σ_t w_t β s_d k3_t with s_d = exp(mean_t (lp - old)) differentiated in full."""
+    docs = docs_of(batch, lp, batch["ent"])
+    num_seqs = len(docs)
+    total = 0.0
+    for d in docs:
+        s = torch.exp((d["lp"] - d["old"]).mean())
+        x = d["ref"] - d["lp"]
+        kl = (torch.exp(x) - 1 - x) * s
+        total = total + cfg.kl_coef * kl.mean() / num_seqs  # seq_mean_token_mean
+    return total
+
+
+def test_kl_importance_weight_sequence_ratio_matches_full_sequence_gradient():
+    cfg = PolicyLossConfig(
+        surrogate="reinforce",
+        ratio_level="sequence",
+        aggregation="seq_mean_token_mean",
+        kl_coef=0.3,
+        kl_importance_weight=True,
+        kl_log_ratio_clamp=None,
+        kl_value_clamp=None,
+    )
+    batch = make_batch(seed=21, per_sequence_adv=True)
+    zero_adv = torch.zeros_like(batch["adv"])
+    lp = batch["lp"].clone().requires_grad_(True)
+    loss, _ = policy_loss(
+        lp, batch["old"], zero_adv, batch["mask"], config=cfg, ref_logprobs=batch["ref"]
+    )
+    lp_r = batch["lp"].clone().requires_grad_(True)
+    expected = _ref_sequence_kl_weight(batch, lp_r, cfg)
+    assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    g, gr = torch.autograd.grad(loss, lp)[0], torch.autograd.grad(expected, lp_r)[0]
+    assert_close(g, gr, rtol=1e-12, atol=1e-14)
+    # a document's other tokens share the gradient of its ratio (not the GSPO token form)
+    lp_t = batch["lp"].clone().requires_grad_(True)
+    token_form, _ = policy_loss(
+        lp_t,
+        batch["old"],
+        zero_adv,
+        batch["mask"],
+        config=PolicyLossConfig(**{**asdict(cfg), "ratio_level": "token"}),
+        ref_logprobs=batch["ref"],
+    )
+    assert not torch.allclose(torch.autograd.grad(token_form, lp_t)[0], g)
+
+
+@pytest.mark.parametrize("entropy_aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
+def test_entropy_aggregation_independent_of_the_loss(aggregation, entropy_aggregation):
+    """loss = (policy + KL, aggregated by `aggregation`) − c · (H, aggregated by its own mode)."""
+    cfg = PolicyLossConfig(
+        aggregation=aggregation,
+        entropy_aggregation=entropy_aggregation,
+        entropy_coef=0.07,
+        kl_coef=0.05,
+        norm_length=NORM_LEN,
+    )
+    batch = make_batch(seed=31)
+    lp = batch["lp"].clone().requires_grad_(True)
+    ent = batch["ent"].clone().requires_grad_(True)
+    loss, m = policy_loss(
+        lp,
+        batch["old"],
+        batch["adv"],
+        batch["mask"],
+        config=cfg,
+        ref_logprobs=batch["ref"],
+        entropy=ent,
+    )
+    no_ent = replace(cfg, entropy_coef=0.0, entropy_aggregation=None)
+    lp_r = batch["lp"].clone().requires_grad_(True)
+    ent_r = batch["ent"].clone().requires_grad_(True)
+    docs = docs_of(batch, lp_r, ent_r)
+    entropy_only = PolicyLossConfig(aggregation=entropy_aggregation, norm_length=NORM_LEN)
+    for d in docs:
+        d["zero"] = torch.zeros_like(d["lp"])
+    bonus = ref_loss(entropy_only, [dict(d, lp=d["zero"], old=d["zero"], a=d["ent"]) for d in docs])
+    expected = ref_loss(no_ent, docs) + 0.07 * bonus  # ref_token_loss(ppo) = -a·1 = -H at r = 1
+    assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    for a, b in zip(
+        torch.autograd.grad(loss, (lp, ent)),
+        torch.autograd.grad(expected, (lp_r, ent_r)),
+        strict=True,
+    ):
+        assert_close(a, b, rtol=1e-12, atol=1e-14)
+    if entropy_aggregation in ("token_mean", "token_sum", "seq_mean_token_sum"):
+        valid = batch["mask"]
+        assert_close(m["entropy"], batch["ent"][valid].mean())  # a token mean, like the term
+    # None keeps the old behaviour: the entropy term aggregated like the loss
+    same = replace(cfg, entropy_aggregation=aggregation)
+    legacy = replace(cfg, entropy_aggregation=None)
+    args = (batch["lp"], batch["old"], batch["adv"], batch["mask"])
+    kw = dict(ref_logprobs=batch["ref"], entropy=batch["ent"])
+    assert_close(
+        policy_loss(*args, config=same, **kw)[0], policy_loss(*args, config=legacy, **kw)[0]
+    )
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mismatch_is_floor_hand_worked(level):
+    lp = torch.zeros(2, 2, dtype=D, requires_grad=True)
+    old = torch.zeros(2, 2, dtype=D)
+    # rho = old/rollout: token [[4, 0.1], [1, 1]]; per row products 0.4 and 1
+    rollout = torch.log(torch.tensor([[0.25, 10.0], [1.0, 1.0]], dtype=D))
+    cfg = PolicyLossConfig(
+        surrogate="reinforce",
+        aggregation="token_sum",
+        mismatch_is=level,
+        mismatch_is_cap=3.0,
+        mismatch_is_floor=0.5,
+    )
+    loss, m = policy_loss(
+        lp,
+        old,
+        -torch.ones(2, dtype=D),
+        torch.ones(2, 2, dtype=torch.bool),
+        config=cfg,
+        rollout_logprobs=rollout,
+    )
+    w = [[3.0, 0.5], [1.0, 1.0]] if level == "token" else [[0.5, 0.5], [1.0, 1.0]]
+    assert_close(torch.autograd.grad(loss, lp)[0], torch.tensor(w, dtype=D))
+    assert_close(m["is_weight_min"], torch.tensor(0.5, dtype=D))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"kl_importance_weight": 1}, "kl_importance_weight"),
+        ({"entropy_aggregation": "mean"}, "entropy_aggregation"),
+        ({"mismatch_is_floor": 0.5}, "mismatch_is_floor"),  # needs mismatch_is
+        ({"mismatch_is": "token", "mismatch_is_floor": 3.0}, "mismatch_is_floor"),  # >= cap
+        ({"mismatch_is": "token", "mismatch_is_floor": -1.0}, "mismatch_is_floor"),
+        ({"mismatch_is": "token", "mismatch_is_floor": math.nan}, "mismatch_is_floor"),
+    ],
+)
+def test_new_options_validate(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PolicyLossConfig(**kwargs)
+
+
+def test_config_json_round_trip():
+    import json
+
+    cfg = PolicyLossConfig(
+        kl_coef=0.1,
+        kl_importance_weight=True,
+        entropy_coef=0.01,
+        entropy_aggregation="token_mean",
+        mismatch_is="sequence",
+        mismatch_is_cap=3.0,
+        mismatch_is_floor=0.25,
+        mismatch_token_mask=(0.5, 2.0),
+        ratio_token_mask=(0.125, 8.0),
+    )
+    back = PolicyLossConfig(**json.loads(json.dumps(asdict(cfg))))
+    assert back == cfg and hash(back) == hash(cfg)
+    assert isinstance(back.mismatch_token_mask, tuple)
+
+
+def test_kl_importance_weight_sequence_refused_under_context_parallelism():
+    cfg = PolicyLossConfig(ratio_level="sequence", kl_coef=0.1, kl_importance_weight=True)
+    lp, old, adv, mask = _inputs()
+    # the check runs before any collective, so a stand-in group object is enough to reach it
+    with pytest.raises(ValueError, match="kl_importance_weight"):
+        from logitless.losses.policy import _check_inputs
+
+        _check_inputs(lp, old, adv, mask, cfg, None, lp, None, None, grouped=True)
+
+
+NEW_OPTION_CONFIGS = {
+    "kl_weight_token": PolicyLossConfig(
+        kl_coef=0.2, kl_importance_weight=True, aggregation="seq_mean_token_mean"
+    ),
+    "kl_weight_gspo": PolicyLossConfig(
+        ratio_level="sequence", kl_coef=0.2, kl_importance_weight=True, clip_high=0.3
+    ),
+    "entropy_token_mean_under_seq_mean": PolicyLossConfig(
+        aggregation="seq_mean_token_mean", entropy_coef=0.05, entropy_aggregation="token_mean"
+    ),
+    "is_floor_sequence": PolicyLossConfig(
+        surrogate="cispo",
+        clip_low=1.0,
+        clip_high=4.0,
+        mismatch_is="sequence",
+        mismatch_is_cap=1.5,
+        mismatch_is_floor=0.9,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NEW_OPTION_CONFIGS))
+def test_new_options_fused_equals_composed(name):
+    """fused_policy_loss (token-local one-pass, or the no-grad pass for GSPO) == policy_loss on
+    linear_logprobs, loss and head gradients; micro-batches sum to the batch. The inputs are
+    float64 but the head returns fp32 log-probs, hence fp32 tolerances."""
+    import logitless
+    from logitless.fused_loss import is_token_local
+
+    cfg = NEW_OPTION_CONFIGS[name]
+    # the new options keep a token-level loss token-local (one fused pass)
+    assert is_token_local(cfg) == (cfg.ratio_level == "token")
+    g = torch.Generator().manual_seed(5)
+    B, T, H, V = 3, 7, 8, 37
+    hidden = torch.randn(B, T, H, generator=g, dtype=D)
+    weight = torch.randn(V, H, generator=g, dtype=D)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[:, :2] = -100
+    labels[1, 5:] = -100
+    with torch.no_grad():
+        lp0 = logitless.linear_logprobs(hidden, weight, labels).logprobs
+    noise = lambda s: s * torch.randn(B, T, generator=g, dtype=D)  # noqa: E731
+    old, ref, rollout = lp0 + noise(0.2), lp0 + noise(0.3), lp0 + noise(0.2)
+    adv = torch.randn(B, generator=g, dtype=D)
+    kw = dict(config=cfg, ref_logprobs=ref, rollout_logprobs=rollout)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused, fm = logitless.fused_policy_loss(h1, w1, labels, old, adv, chunk_size=4, **kw)
+    fused.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = logitless.linear_logprobs(h2, w2, labels, with_entropy=cfg.entropy_coef != 0)
+    composed, cm = policy_loss(out.logprobs, old, adv, labels != -100, entropy=out.entropy, **kw)
+    composed.backward()
+    assert_close(fused, composed, rtol=1e-10, atol=1e-12)
+    assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
+    for k in cm:
+        assert_close(fm[k], cm[k], rtol=1e-9, atol=1e-12, msg=k)
+    # micro-batches (rows) with one step normalizer sum to the whole batch
+    rows = [slice(0, 1), slice(1, 3)]
+    norm = loss_normalizer([(labels != -100)[r] for r in rows])
+    h3, w3 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    total = 0.0
+    for r in rows:
+        part, _ = logitless.fused_policy_loss(
+            h3[r],
+            w3,
+            labels[r],
+            old[r],
+            adv[r],
+            config=cfg,
+            ref_logprobs=ref[r],
+            rollout_logprobs=rollout[r],
+            normalizer=norm,
+        )
+        part.backward()
+        total = total + part.detach()
+    assert_close(total, fused.detach(), rtol=1e-6, atol=1e-8)
+    assert_close(w3.grad, w1.grad, rtol=1e-5, atol=1e-7)

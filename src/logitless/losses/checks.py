@@ -133,7 +133,7 @@ def _check_advantage_count(
 
 
 def _norm_length(config: PolicyLossConfig, logprobs: torch.Tensor, grouped: bool) -> float | None:
-    if config.aggregation != "seq_mean_token_sum_norm":
+    if "seq_mean_token_sum_norm" not in (config.aggregation, config.entropy_aggregation):
         return None
     if config.norm_length is not None:
         return float(config.norm_length)
@@ -146,7 +146,7 @@ def _norm_length(config: PolicyLossConfig, logprobs: torch.Tensor, grouped: bool
     )
     raise ValueError(
         "norm_length must be set in PolicyLossConfig for aggregation='seq_mean_token_sum_norm' "
-        f"with {what}"
+        f"(or entropy_aggregation) with {what}"
     )
 
 
@@ -191,6 +191,12 @@ def _local_checks(
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != shape:
         got = fmt_shape(mask) + f" {mask.dtype}" if isinstance(mask, torch.Tensor) else repr(mask)
         raise ValueError(f"mask must be a bool tensor of shape {list(shape)}, got {got}")
+    if grouped and config.kl_importance_weight and config.ratio_level == "sequence":
+        raise ValueError(
+            "kl_importance_weight=True with ratio_level='sequence' is not supported with a "
+            "context_group: the gradient of a document's ratio couples the KL of tokens on "
+            "other ranks"
+        )
     if not for_stats:
         if config.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("ref_logprobs is required when config.kl_coef > 0")

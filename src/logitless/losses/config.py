@@ -24,7 +24,8 @@ MISMATCH_IS = (None, "token", "sequence")
 MISMATCH_SEQ_MASKS = (None, *_SEQUENCE_STATISTICS)
 
 
-_BAND_FIELDS = (
+# (low, high) fields, stored as tuples
+_BANDS = (
     "mismatch_token_mask",
     "mismatch_seq_mask_range",
     "ratio_token_mask",
@@ -92,12 +93,22 @@ class PolicyLossConfig:
         kl_log_ratio_clamp: ``|log π_ref − log π|`` is clamped to this before ``exp`` in
             k3/k3+ (``None``: no clamp).
         kl_value_clamp: k3/k3+ values are clamped to ``[-c, c]`` (``None``: no clamp).
+        kl_importance_weight: multiply each token's KL by the importance ratio ``r_t``
+            (``s_d``, the sequence ratio, at ``ratio_level="sequence"``), *with* its gradient:
+            ``r · KL`` estimates KL(π_θ ‖ π_ref) from samples of π_old, and its gradient is the
+            unbiased reverse-KL gradient (DeepSeek-V3.2's unbiased KL estimate; TRL's
+            ``use_bias_correction_kl``). It changes the gradient even where ``r = 1``.
     Entropy
         entropy_coef: the loss gets ``- entropy_coef · H`` per token (a bonus when > 0).
+        entropy_aggregation: how the entropy term is aggregated: ``None`` (like the loss, with
+            its ``aggregation``) or one of the ``aggregation`` names, with the same counts
+            (e.g. ``"token_mean"``: a token mean whatever the loss's aggregation, as TRL does).
     Train/inference mismatch (needs ``rollout_logprobs``; ``ρ = π_old / π_rollout``)
         mismatch_is: truncated importance sampling, ``"token"`` (``min(ρ_t, cap)``) or
             ``"sequence"`` (``min(Π_t ρ_t, cap)``), or ``None``.
         mismatch_is_cap: the truncation cap (> 0).
+        mismatch_is_floor: a lower truncation of the same weight: ``max(w, floor)`` (TRL's
+            ``vllm_importance_sampling_clip_min`` in its ``*_truncate`` modes), or ``None``.
         mismatch_token_mask: ``(low, high)``: tokens with ``ρ_t`` outside are dropped from the
             policy term (masked IS / IcePop), or ``None``.
         mismatch_seq_mask: ``"geometric"`` (``exp(mean_t log ρ_t)``) or ``"product"``
@@ -136,14 +147,12 @@ class PolicyLossConfig:
     ratio_token_mask: tuple[float, float] | None = None
     ratio_seq_mask: str | None = None
     ratio_seq_mask_range: tuple[float, float] = (0.5, 2.0)
+    # added after the first release: kept last so positional construction is unchanged
+    kl_importance_weight: bool = False
+    entropy_aggregation: str | None = None
+    mismatch_is_floor: float | None = None
 
     def __post_init__(self) -> None:
-        # JSON / YAML give the band pairs back as lists: store tuples, so a round-tripped
-        # config compares equal and stays hashable.
-        for name in _BAND_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
         _choice("surrogate", self.surrogate, SURROGATES)
         _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         _choice("aggregation", self.aggregation, AGGREGATIONS)
@@ -176,8 +185,21 @@ class PolicyLossConfig:
         _number("kl_coef", self.kl_coef, minimum=0.0)
         _optional_positive("kl_log_ratio_clamp", self.kl_log_ratio_clamp)
         _optional_positive("kl_value_clamp", self.kl_value_clamp)
+        if not isinstance(self.kl_importance_weight, bool):
+            raise ValueError(
+                f"kl_importance_weight must be a bool, got {self.kl_importance_weight!r}"
+            )
         _number("entropy_coef", self.entropy_coef)
+        _choice("entropy_aggregation", self.entropy_aggregation, (None, *AGGREGATIONS))
         _number("mismatch_is_cap", self.mismatch_is_cap, minimum=0.0, strict=True)
+        if self.mismatch_is_floor is not None:
+            _number("mismatch_is_floor", self.mismatch_is_floor, minimum=0.0, strict=True)
+            if self.mismatch_is is None or self.mismatch_is_floor >= self.mismatch_is_cap:
+                raise ValueError(
+                    "mismatch_is_floor must be < mismatch_is_cap and needs mismatch_is set, got "
+                    f"mismatch_is_floor={self.mismatch_is_floor!r}, mismatch_is_cap="
+                    f"{self.mismatch_is_cap!r}, mismatch_is={self.mismatch_is!r}"
+                )
         if self.mismatch_token_mask is not None:
             _band("mismatch_token_mask", self.mismatch_token_mask)
         _band("mismatch_seq_mask_range", self.mismatch_seq_mask_range)
@@ -185,6 +207,11 @@ class PolicyLossConfig:
         if self.ratio_token_mask is not None:
             _band("ratio_token_mask", self.ratio_token_mask)
         _band("ratio_seq_mask_range", self.ratio_seq_mask_range)
+        # JSON has no tuples: a band read back as a list is stored as the tuple it was.
+        for name in _BANDS:
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
 
     # --- what the config needs of whole documents: decided here, used by the losses, the
     # document statistics and the fused loss alike.

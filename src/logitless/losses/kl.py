@@ -13,7 +13,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KL_ESTIMATORS", "kl_k1", "kl_k2", "kl_k3", "kl_k3_k2_grad", "kl_penalty"]
+__all__ = [
+    "KL_ESTIMATORS",
+    "importance_weighted_kl",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_k3_k2_grad",
+    "kl_penalty",
+]
+
+# exp() of a log-ratio beyond this is clamped (as the surrogates' ratios are)
+_MAX_LOG_RATIO = 20.0
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -80,3 +91,14 @@ def kl_penalty(
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
     return KL_ESTIMATORS[estimator](logprobs, ref_logprobs.detach(), log_ratio_clamp, value_clamp)
+
+
+def importance_weighted_kl(kl: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """``r · KL_t`` with ``r = exp(log_ratio)``, differentiable in both.  [N], [N] -> [N]
+
+    The tokens were sampled from π_old, so ``E_old[r · k3] = E_θ[k3] = KL(π_θ ‖ π_ref)``: with
+    the ratio's gradient kept, the term's gradient is the unbiased reverse-KL gradient
+    (DeepSeek-AI 2025, "DeepSeek-V3.2", Sec. 3.1, unbiased KL estimate). ``log_ratio`` is the
+    token's ``log π_θ − log π_old`` or its sequence's mean (GSPO), clamped to ±20 before exp.
+    """
+    return kl * log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()

@@ -36,9 +36,17 @@ SEQUENCE_STATISTICS = {
 }
 
 
-def truncated_is_token(log_rho: torch.Tensor, cap: float) -> torch.Tensor:
-    """Token-level truncated IS weight ``min(ρ_t, cap)`` (TIS).  [N] -> [N]"""
-    return log_rho.detach().clamp(max=math.log(cap)).exp()
+def truncated_is_token(
+    log_rho: torch.Tensor, cap: float, floor: float | None = None
+) -> torch.Tensor:
+    """Token-level truncated IS weight ``min(ρ_t, cap)`` (TIS), ``max(·, floor)`` with a floor.
+    [N] -> [N]"""
+    return _truncate(log_rho.detach(), cap, floor).exp()
+
+
+def _truncate(log_w: torch.Tensor, cap: float, floor: float | None) -> torch.Tensor:
+    """``log_w`` clamped to ``[log floor, log cap]`` (no lower bound without a floor)."""
+    return log_w.clamp(min=None if floor is None else math.log(floor), max=math.log(cap))
 
 
 def truncated_is_sequence(
@@ -57,9 +65,12 @@ def truncated_is_sequence(
     return gather(truncated_is_from_total(total, cap), seg)  # [N]
 
 
-def truncated_is_from_total(total: torch.Tensor, cap: float) -> torch.Tensor:
-    """``min(exp(total_d), cap)`` per document from ``total_d = Σ_t log ρ_t``.  [D] -> [D]"""
-    return total.detach().clamp(max=math.log(cap)).exp()
+def truncated_is_from_total(
+    total: torch.Tensor, cap: float, floor: float | None = None
+) -> torch.Tensor:
+    """``min(exp(total_d), cap)`` (and ``max(·, floor)``) per document from
+    ``total_d = Σ_t log ρ_t``.  [D] -> [D]"""
+    return _truncate(total.detach(), cap, floor).exp()
 
 
 def token_band_mask(log_rho: torch.Tensor, low: float, high: float) -> torch.Tensor:

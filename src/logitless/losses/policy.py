@@ -12,11 +12,11 @@ from ._segments import gather
 from .aggregation import aggregation_weights, metric_weights
 from .checks import LossCall, check_policy_loss, clean
 from .config import PolicyLossConfig
-from .kl import kl_k3, kl_penalty
+from .kl import importance_weighted_kl, kl_k3, kl_penalty
 from .metrics import extreme, finish_metrics, weighted_mean
 from .mismatch import sequence_keep, token_band_mask, truncated_is_from_total, truncated_is_token
 from .normalizer import LossNormalizer
-from .ratio import sequence_log_ratio_from_mean, token_log_ratio
+from .ratio import sequence_log_ratio_from_mean, sequence_mean_log_ratio, token_log_ratio
 from .stats import DocumentStats, compute_document_stats
 from .surrogates import MAX_LOG_RATIO, SURROGATES
 
@@ -235,10 +235,15 @@ def compute_policy_loss(
         # mismatch_kl: KL(π_rollout ‖ π_old) from rollout samples, k3 with ρ = π_old/π_rollout
         is_weight = torch.ones_like(lp)  # [N]
         if config.mismatch_is == "token":
-            is_weight = truncated_is_token(log_rho, config.mismatch_is_cap)
+            is_weight = truncated_is_token(
+                log_rho, config.mismatch_is_cap, config.mismatch_is_floor
+            )
         elif config.mismatch_is == "sequence":
             total_rho = per_doc(stats.log_rho)  # [D]
-            is_weight = gather(truncated_is_from_total(total_rho, config.mismatch_is_cap), seg)
+            weight = truncated_is_from_total(
+                total_rho, config.mismatch_is_cap, config.mismatch_is_floor
+            )  # [D]
+            is_weight = gather(weight, seg)
         keep = _keep_mask(
             lp,
             log_rho,
@@ -268,16 +273,35 @@ def compute_policy_loss(
             config.kl_log_ratio_clamp,
             config.kl_value_clamp,
         )  # [N]
+        if config.kl_importance_weight:
+            if config.ratio_level == "sequence":  # s_d, differentiable in all its tokens
+                kl_log_ratio = sequence_mean_log_ratio(
+                    token_lr, valid, seg, per_doc(stats.log_ratio), n_doc
+                )
+            else:
+                kl_log_ratio = token_lr
+            kl = importance_weighted_kl(kl, kl_log_ratio)
         metrics["kl_ref"] = weighted_mean(kl, mweights)
         if config.kl_coef > 0:
             total = total + config.kl_coef * kl
+    # the entropy term is aggregated like the loss unless entropy_aggregation says otherwise
+    ent_weights, ent_mweights = weights, mweights
+    if config.entropy_aggregation is not None:
+        counts = (validf, tokens_in_doc, num_tokens, num_seqs)
+        ent_weights = aggregation_weights(config.entropy_aggregation, *counts, call.norm_length)
+        ent_mweights = metric_weights(config.entropy_aggregation, *counts)
+    ent_part = None
     if entropy is not None:
         ent = clean(entropy, valid, dtype)  # [N]
-        metrics["entropy"] = weighted_mean(ent, mweights)
-        if config.entropy_coef != 0:
+        metrics["entropy"] = weighted_mean(ent, ent_mweights)
+        if config.entropy_coef != 0 and config.entropy_aggregation is None:
             total = total - config.entropy_coef * ent
+        elif config.entropy_coef != 0:
+            ent_part = -config.entropy_coef * ent
 
     loss = (torch.where(valid, total, 0.0) * weights).sum()
+    if ent_part is not None:
+        loss = loss + (torch.where(valid, ent_part, 0.0) * ent_weights).sum()
 
     ratio = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N]
     metrics["loss"] = loss.detach()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ._segments import gather, of_ids, segment_mean
+from ._segments import Segments, gather, of_ids, segment_mean, sum_per_document
 
-__all__ = ["sequence_log_ratio", "token_log_ratio"]
+__all__ = ["sequence_log_ratio", "sequence_mean_log_ratio", "token_log_ratio"]
 
 
 def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
@@ -48,3 +48,23 @@ def sequence_log_ratio_from_mean(logprobs: torch.Tensor, seq_mean: torch.Tensor)
     there is one) and calls this; :func:`sequence_log_ratio` is the single-process composition.
     """
     return seq_mean.detach() + logprobs - logprobs.detach()  # [N]
+
+
+def sequence_mean_log_ratio(
+    token_log_ratio: torch.Tensor,
+    valid: torch.Tensor,
+    segments: Segments,
+    doc_total: torch.Tensor,
+    doc_tokens: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's document mean ``mean_{t in d} log r_t``, with the mean's own gradient.  [N]
+
+    Unlike the GSPO token form (each token's gradient through its own log-prob only), every
+    valid token of the document gets ``1 / n_d`` of the gradient: this is
+    ``log s_d`` as a function of all the document's log-probs. The value is
+    ``doc_total / doc_tokens`` (``[D]`` constants, e.g. summed over a context-parallel group);
+    the gradient flows through this call's tokens of ``token_log_ratio``.
+    """
+    local = sum_per_document(torch.where(valid, token_log_ratio, 0.0), segments)  # [D]
+    mean = (doc_total.detach() + local - local.detach()) / doc_tokens.clamp(min=1.0)  # [D]
+    return gather(mean, segments)  # [N]

@@ -202,6 +202,50 @@ def _build_cce(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
+def _trl_unavailable(work: Workload) -> str | None:
+    """TRL's chunked LM head ships with TRL itself."""
+    if importlib.util.find_spec("trl") is None:
+        return "trl is not installed (pip install 'logitless[trl]')"
+    return None
+
+
+def _trl_note(work: Workload) -> str:
+    how = "valid rows (Triton)" if work.device.startswith("cuda") else "all rows (torch tiles)"
+    return f"TRL's ChunkedLogProbFunction as GRPOTrainer calls it: {how}"
+
+
+def _build_trl(work: Workload, inputs: Inputs) -> Step:
+    """TRL's own chunked head (``trl.kernels.ChunkedLogProbFunction``) with log-probs and entropy,
+    called as ``GRPOTrainer``'s fused LM head calls it: on CUDA the valid rows only, elsewhere
+    every row with clamped labels, masked afterwards (TRL keeps tile shapes fixed off Triton)."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    try:  # the vocabulary tile GRPOTrainer uses
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
+    except ImportError:  # pragma: no cover - another TRL layout
+        chunk = 32768
+    compact = work.device.startswith("cuda")
+    mask = inputs.labels != IGNORE_INDEX
+
+    def step() -> None:
+        if compact:
+            h, y = inputs.hidden[mask], inputs.labels[mask]
+        else:
+            h, y = inputs.hidden, inputs.labels.clamp(min=0)
+        out = ChunkedLogProbFunction.apply(
+            h, inputs.weight, None, y, 1.0, chunk, None, 1.0, ("log_probs", "entropy")
+        )
+        logp, ent = out[0], out[1]
+        if compact:
+            logp = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
+            ent = ent.new_zeros(mask.shape).masked_scatter(mask, ent)
+        else:
+            logp, ent = logp.masked_fill(~mask, 0.0), ent.masked_fill(~mask, 0.0)
+        _backward(inputs, logp, ent)
+
+    return step
+
+
 # ---- task "loss": LM head + DAPO / GSPO policy loss, forward + backward ---------------------
 
 _SEQ_LEN = 256  # tokens per sequence of the loss workload (one sequence if tokens % 256 != 0)
@@ -371,6 +415,7 @@ TASKS: dict[str, dict[str, Method]] = {
                 note=lambda w: "log-probs only (no entropy)",
             ),
             Method("cce", "peer", _build_cce, unavailable=_cce_unavailable, note=_cce_note),
+            Method("trl", "peer", _build_trl, unavailable=_trl_unavailable, note=_trl_note),
         )
     },
     "loss": {

@@ -1,0 +1,592 @@
+"""TRL's ``GRPOTrainer`` on logitless: the same training, without the ``[tokens, vocab]`` logits.
+
+Switching is one line::
+
+    from logitless.integrations.trl import LogitlessGRPOTrainer as GRPOTrainer
+
+``LogitlessGRPOTrainer`` is a ``trl.GRPOTrainer`` whose two log-prob paths run on logitless
+(a trainer subclass of your own gets the same from :class:`LogitlessGRPOMixin`):
+
+- the no-grad log-probs of the policy (``old_per_token_logps``) and of the reference model,
+  computed when completions are scored: :func:`logitless.integrations.hf.causal_lm_logprobs`;
+- the loss: the model's backbone once (``hf.causal_lm_hidden_states``), a no-grad head pass on
+  those hidden states for the current log-probs and entropies (TRL's metrics, its top-entropy
+  mask and, on-policy, the old log-probs: no second backbone forward), then
+  :func:`logitless.fused_policy_loss` with the :class:`~logitless.PolicyLossConfig` equivalent
+  to the trainer's TRL options (:func:`grpo_loss_config`) and the normalization TRL uses.
+
+Generation, rewards, advantages, logging and the optimizer loop stay TRL's; the trainer logs
+the metric names TRL logs (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
+``policy_loss``, ``entropy_coef``). No model code is patched.
+
+**Layout.** TRL's per-token tensors are ``[B, C]`` over the completion; logitless' HF
+integration aligns ``[B, P + C]`` like the logits, position ``t`` scoring token ``t + 1``. So
+TRL column ``j`` is logitless column ``P - 1 + j`` (``P``: the padded prompt length).
+
+**Normalization** (train mode; ``GA`` gradient-accumulation steps, ``SPG``
+``steps_per_generation``, ``P`` processes, ``B`` rows of the micro-batch): ``grpo``/``sapo``
+average each row's token mean over ``B · GA`` rows, ``luspo`` its token sum, ``dr_grpo`` divides
+the token sum by ``B · GA · max_completion_length``; ``bnpo`` by the micro-batch's tokens
+``· GA``; ``dapo``/``cispo`` by ``num_items_in_batch / P · GA / SPG`` (the generation batch's
+tokens, per accumulation window). The entropy bonus is always a token mean of the micro-batch
+divided by ``GA``. In eval mode ``GA = SPG = 1``.
+
+**Not supported** (raised by name before training starts, see :func:`check_trainer`): the
+``vespo`` loss, ``top_entropy_quantile < 1`` together with an entropy bonus, adaptive entropy
+control, ``cast_lm_head_to_fp32``, PEFT models, vision-language models, models outside
+:data:`logitless.integrations.hf.SUPPORTED_MODELS`, multi-process training (DDP, FSDP,
+DeepSpeed), ``delta < 1 + epsilon_high`` and ``cispo`` with ``epsilon_high < 1``.
+
+Tested with TRL 1.16 (``pip install 'logitless[trl]'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..fused_loss import fused_policy_loss
+from ..head import linear_logprobs
+from ..losses import LossNormalizer, PolicyLossConfig
+from . import hf
+
+try:
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import nanmax, nanmin
+except ImportError as e:  # pragma: no cover - exercised only without TRL
+    raise ImportError("logitless.integrations.trl needs TRL: pip install 'logitless[trl]'") from e
+
+__all__ = [
+    "TESTED_TRL",
+    "LogitlessGRPOMixin",
+    "LogitlessGRPOTrainer",
+    "check_trainer",
+    "grpo_loss_config",
+]
+
+#: The TRL releases the parity tests run against (``>= low, < high``).
+TESTED_TRL = ("1.16", "1.17")
+
+# TRL loss_type -> logitless aggregation (the policy term; the entropy bonus is a token mean)
+_AGGREGATIONS = {
+    "grpo": "seq_mean_token_mean",
+    "sapo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+    "luspo": "seq_mean_token_sum",
+}
+# loss types whose loss TRL divides by the accumulation steps (the others: by num_items_in_batch)
+_PER_STEP = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
+_PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# an open upper bound of an IS weight or band (TRL's clip_max=None): the largest fp32 number
+_NO_BOUND = float(torch.finfo(torch.float32).max)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
+
+
+if (
+    not _version_tuple(TESTED_TRL[0])
+    <= _version_tuple(trl.__version__)
+    < _version_tuple(TESTED_TRL[1])
+):
+    warnings.warn(
+        f"logitless.integrations.trl is tested with trl>={TESTED_TRL[0]},<{TESTED_TRL[1]}; "
+        f"trl {trl.__version__} is installed. Its loss code may differ: check the parity tests "
+        "(tests/test_trl.py) against this version.",
+        stacklevel=2,
+    )
+
+
+class _Options(NamedTuple):
+    """The TRL options the loss reads, as ``GRPOTrainer._compute_loss`` reads them."""
+
+    loss_type: str
+    importance_sampling_level: str
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+    beta: float
+    use_bias_correction_kl: bool
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    max_completion_length: int | None
+    temperature: float
+    top_entropy_quantile: float
+    entropy_coef: float
+    use_adaptive_entropy: bool
+    use_vllm: bool
+    vllm_importance_sampling_correction: bool
+    vllm_importance_sampling_mode: str
+    vllm_importance_sampling_clip_min: float | None
+    vllm_importance_sampling_clip_max: float | None
+
+    @classmethod
+    def of(cls, source: GRPOTrainer | GRPOConfig) -> _Options:
+        if isinstance(source, GRPOConfig):  # as GRPOTrainer.__init__ derives them
+            args, live = source, source
+            eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+            eps_low = args.epsilon
+        else:  # the trainer's attributes, which its loss reads (and a caller may change)
+            args, live = source.args, source
+            eps_low, eps_high = source.epsilon_low, source.epsilon_high
+        return cls(
+            loss_type=live.loss_type,
+            importance_sampling_level=live.importance_sampling_level,
+            epsilon_low=eps_low,
+            epsilon_high=eps_high,
+            delta=args.delta,
+            beta=live.beta,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            max_completion_length=live.max_completion_length,
+            temperature=live.temperature,
+            top_entropy_quantile=live.top_entropy_quantile,
+            entropy_coef=live.entropy_coef,
+            use_adaptive_entropy=live.use_adaptive_entropy,
+            use_vllm=live.use_vllm,
+            vllm_importance_sampling_correction=live.vllm_importance_sampling_correction,
+            vllm_importance_sampling_mode=live.vllm_importance_sampling_mode,
+            vllm_importance_sampling_clip_min=live.vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max=live.vllm_importance_sampling_clip_max,
+        )
+
+    @property
+    def entropy_bonus(self) -> bool:
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+    @property
+    def vllm_is(self) -> bool:
+        return self.use_vllm and self.vllm_importance_sampling_correction
+
+
+def _unsupported(option: str, reason: str) -> ValueError:
+    return ValueError(
+        f"LogitlessGRPOTrainer cannot honour {option}: {reason}. Use trl.GRPOTrainer for this "
+        "run, or change the option."
+    )
+
+
+def _mismatch_options(o: _Options) -> dict[str, Any]:
+    """TRL's vLLM importance-sampling correction as PolicyLossConfig options."""
+    if not o.vllm_is:
+        return {}
+    mode = o.vllm_importance_sampling_mode
+    low = o.vllm_importance_sampling_clip_min
+    high = (
+        _NO_BOUND
+        if o.vllm_importance_sampling_clip_max is None
+        else (o.vllm_importance_sampling_clip_max)
+    )
+    level, kind = mode.split("_") if mode.count("_") == 1 else (None, None)
+    if level not in ("token", "sequence") or kind not in ("truncate", "mask"):
+        raise _unsupported(f"vllm_importance_sampling_mode={mode!r}", "an unknown mode")
+    out: dict[str, Any] = {"mismatch_is": level, "mismatch_is_cap": high}
+    if kind == "truncate":  # clamp(ρ, C_min, C_max)
+        out["mismatch_is_floor"] = low
+    elif level == "token":  # ρ_t · [C_min <= ρ_t <= C_max]
+        out["mismatch_token_mask"] = (low or 0.0, high)
+    else:  # Π ρ · [C_min <= Π ρ <= C_max]
+        out["mismatch_seq_mask"] = "product"
+        out["mismatch_seq_mask_range"] = (low or 0.0, high)
+    return out
+
+
+def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
+    """The :class:`~logitless.PolicyLossConfig` of a TRL GRPO trainer's (or config's) loss.
+
+    Reproduces ``GRPOTrainer._compute_loss`` of TRL 1.16 per token: the surrogate of
+    ``loss_type`` with ``epsilon`` / ``epsilon_high`` (``delta`` as the dual clip), the ratio
+    level, the k3 KL with ``beta`` (weighted by the differentiable ratio with
+    ``use_bias_correction_kl``), the vLLM importance-sampling correction (all four modes,
+    ``clip_min`` / ``clip_max``) and the entropy bonus as a token mean. The *counts* TRL
+    normalizes by come per micro-batch (see the module doc); :class:`LogitlessGRPOTrainer`
+    passes them as a :class:`~logitless.LossNormalizer` and rescales ``entropy_coef`` per
+    micro-batch (TRL's bonus is a per-micro-batch mean).
+
+    Raises:
+        ValueError: naming the TRL option that has no logitless equivalent.
+
+    >>> import trl
+    >>> args = trl.GRPOConfig(output_dir="out", loss_type="dapo", epsilon_high=0.28, bf16=False)
+    >>> cfg = grpo_loss_config(args)
+    >>> cfg.surrogate, cfg.clip_low, cfg.clip_high, cfg.aggregation
+    ('ppo_clip', 0.2, 0.28, 'token_mean')
+    """
+    o = source if isinstance(source, _Options) else _Options.of(source)
+    if o.loss_type not in _AGGREGATIONS:
+        raise _unsupported(
+            f"loss_type={o.loss_type!r}",
+            f"logitless reproduces {sorted(_AGGREGATIONS)} (VESPO's gamma weighting of "
+            "sequence ratios has no logitless surrogate)",
+        )
+    if o.use_adaptive_entropy:
+        raise _unsupported(
+            "use_adaptive_entropy=True", "adaptive entropy control is not reproduced"
+        )
+    if o.top_entropy_quantile < 1.0 and o.entropy_bonus:
+        raise _unsupported(
+            f"top_entropy_quantile={o.top_entropy_quantile} with entropy_coef={o.entropy_coef}",
+            "TRL restricts the entropy bonus to the high-entropy tokens, and logitless' entropy "
+            "term covers every token of the loss mask",
+        )
+    if o.beta < 0:
+        raise _unsupported(f"beta={o.beta}", "the KL coefficient must be >= 0")
+    kw: dict[str, Any] = {
+        "aggregation": _AGGREGATIONS[o.loss_type],
+        "ratio_level": o.importance_sampling_level,
+    }
+    if o.loss_type == "cispo":  # weight min(r, ε_high) = clip(r, 1 - 1, 1 + (ε_high - 1))
+        if o.epsilon_high < 1.0:
+            raise _unsupported(
+                f"loss_type='cispo' with epsilon_high={o.epsilon_high}",
+                "a cap below 1 on the IS weight (TRL's default when epsilon_high is unset) "
+                "has no logitless equivalent; set epsilon_high >= 1 (ScaleRL recommends 5.0)",
+            )
+        kw.update(surrogate="cispo", clip_low=1.0, clip_high=o.epsilon_high - 1.0)
+    elif o.loss_type == "sapo":
+        kw.update(
+            surrogate="sapo",
+            sapo_tau_pos=o.sapo_temperature_pos,
+            sapo_tau_neg=o.sapo_temperature_neg,
+        )
+    else:
+        kw.update(surrogate="ppo_clip", clip_low=o.epsilon_low, clip_high=o.epsilon_high)
+        if o.delta is not None:
+            # min(min(r, δ)·A, clip(r)·A) is the dual clip when δ bounds clip(r) from above
+            if not o.delta > 1.0 or o.delta < 1.0 + o.epsilon_high:
+                raise _unsupported(
+                    f"delta={o.delta} with epsilon_high={o.epsilon_high}",
+                    "logitless' dual clip equals TRL's two-sided clip only for "
+                    "delta >= 1 + epsilon_high (and delta > 1)",
+                )
+            kw["dual_clip"] = o.delta
+    if o.loss_type == "dr_grpo":
+        if not o.max_completion_length:
+            raise _unsupported(
+                "loss_type='dr_grpo' with max_completion_length=None", "it has no constant"
+            )
+        kw["norm_length"] = int(o.max_completion_length)
+    if o.beta > 0:
+        kw.update(
+            kl_coef=o.beta,
+            kl_estimator="k3",
+            kl_log_ratio_clamp=None,
+            kl_value_clamp=None,
+            kl_importance_weight=bool(o.use_bias_correction_kl),
+        )
+    if o.entropy_bonus:
+        kw.update(entropy_coef=o.entropy_coef, entropy_aggregation="token_mean")
+    kw.update(_mismatch_options(o))
+    return PolicyLossConfig(**kw)
+
+
+def _model_problem(model: nn.Module) -> str | None:
+    """Why logitless cannot run this (unwrapped) policy, or None."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return "a PEFT model (its adapters and reference handling are not covered by the tests)"
+    try:
+        hf.causal_lm_head(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
+    """Every check of a trainer's options and model; returns its loss config.
+
+    Raises ``ValueError`` naming the first TRL option (or model property) that logitless
+    cannot honour. :class:`LogitlessGRPOMixin` calls it at the end of ``__init__`` and at each
+    loss, so a run never starts (or continues) with different numbers.
+    """
+    config = grpo_loss_config(trainer)
+    args = trainer.args
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        raise _unsupported(
+            "cast_lm_head_to_fp32=True",
+            "TRL replaces lm_head.forward, which logitless reads as a plain nn.Linear; pass "
+            "a model whose lm_head is already float32 instead",
+        )
+    if getattr(trainer, "_is_vlm", False):
+        raise _unsupported("a vision-language model", "logitless handles text-only causal LMs")
+    dist_type = str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1]
+    if trainer.accelerator.num_processes != 1 or dist_type != "NO":
+        raise _unsupported(
+            f"distributed training ({dist_type}, {trainer.accelerator.num_processes} processes)",
+            "the loss calls the model's backbone directly, outside the DDP / FSDP / DeepSpeed "
+            "wrapper's forward, so their gradient reduction would not run; train on one process",
+        )
+    for name, model in (("model", trainer.model), ("ref_model", trainer.ref_model)):
+        if model is None:
+            continue
+        problem = _model_problem(trainer.accelerator.unwrap_model(model))
+        if problem is not None:
+            raise _unsupported(f"this {name}", problem)
+    return config
+
+
+class _Layout(NamedTuple):
+    """TRL's ``[B, C]`` completion columns inside logitless' ``[B, P + C]`` logits alignment."""
+
+    prompt: int  # P: padded prompt length
+    completion: int  # C: padded completion length
+
+    def to_full(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C] -> [B, P + C], column j at P - 1 + j (0 elsewhere)."""
+        out = x.new_zeros(x.shape[0], self.prompt + self.completion)
+        out[:, self.prompt - 1 : self.prompt - 1 + self.completion] = x
+        return out
+
+    def to_trl(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, P + C] -> [B, C]."""
+        return x[:, self.prompt - 1 : self.prompt - 1 + self.completion]
+
+    def response_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """[B, C] loss mask -> [B, P + C] bool over input_ids (True at scored tokens)."""
+        full = torch.zeros(mask.shape[0], self.prompt + self.completion, dtype=torch.bool)
+        full = full.to(mask.device)
+        full[:, self.prompt :] = mask.bool()
+        return full
+
+
+def _head_kwargs(head: hf.CausalLMHead, temperature: float, device: torch.device) -> dict:
+    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (the
+    logit scale folds into the temperature; under autocast the head runs in its dtype)."""
+    head_dtype = None
+    if torch.is_autocast_enabled(device.type):
+        head_dtype = torch.get_autocast_dtype(device.type)
+    return dict(
+        bias=head.bias,
+        temperature=float(temperature) / head.logit_scale,
+        softcap=head.softcap,
+        head_dtype=head_dtype,
+    )
+
+
+class LogitlessGRPOMixin:
+    """Put before ``trl.GRPOTrainer`` (or your subclass of it) in the bases to run its
+    log-probs and loss on logitless::
+
+        class MyTrainer(LogitlessGRPOMixin, MyGRPOTrainer): ...
+
+    It overrides ``_get_per_token_logps_and_entropies`` and ``_compute_loss``; everything
+    else (generation, rewards, advantages, logging) is the trainer's own.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_trainer(self)
+
+    # ---- the no-grad log-probs TRL takes when it scores completions (old policy, reference)
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if given or compute_aux_loss:
+            raise _unsupported(
+                ", ".join(given) or "compute_aux_loss", "logitless handles text-only causal LMs"
+            )
+        net = self.accelerator.unwrap_model(model)
+        total = input_ids.shape[1]
+        layout = _Layout(total - logits_to_keep, logits_to_keep)
+        response = attention_mask.bool().clone()
+        response[:, : layout.prompt] = False
+        batch_size = batch_size or input_ids.shape[0]
+        logps, entropies = [], []
+        for start in range(0, input_ids.shape[0], batch_size):
+            rows = slice(start, start + batch_size)
+            with self.accelerator.autocast():
+                out = hf.causal_lm_logprobs(
+                    net,
+                    input_ids[rows],
+                    attention_mask=attention_mask[rows],
+                    response_mask=response[rows],
+                    with_entropy=compute_entropy,
+                    temperature=self.temperature,
+                )
+            logps.append(layout.to_trl(out.logprobs))
+            if compute_entropy:
+                entropies.append(layout.to_trl(out.entropy))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    # ---- the loss
+
+    def _compute_loss(self, model, inputs):
+        opts = _Options.of(self)
+        config = check_trainer(self)
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        net = self.accelerator.unwrap_model(model)
+
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        layout = _Layout(prompt_ids.shape[1], completion_ids.shape[1])
+        if layout.prompt < 1:
+            raise ValueError("LogitlessGRPOTrainer needs at least one prompt token per row")
+        mask = inputs["completion_mask"]  # [B, C], the loss mask
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        labels = hf.causal_lm_labels(
+            input_ids, attention_mask=attention_mask, response_mask=layout.response_mask(mask)
+        )
+        head = hf.causal_lm_head(net)
+
+        with self.accelerator.autocast():
+            hidden = hf.causal_lm_hidden_states(net, input_ids, attention_mask=attention_mask)
+            head_kwargs = _head_kwargs(head, opts.temperature, hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            with torch.no_grad():  # current log-probs and entropies: one head pass, no grad
+                now = linear_logprobs(
+                    hidden.detach(), head.weight, labels, with_entropy=True, **head_kwargs
+                )
+            logps = layout.to_trl(now.logprobs)  # [B, C]
+            entropies = layout.to_trl(now.entropy)  # [B, C]
+            old = inputs.get("old_per_token_logps")
+            old = logps if old is None else old  # on-policy: π_old = sg(π_θ)
+
+            advantages = inputs["advantages"]
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            # TRL's masks on the policy term, folded into per-token advantages: every
+            # surrogate is -A·f(r) up to where A's sign is read, so A·keep drops the term.
+            keep = torch.ones_like(mask, dtype=logps.dtype)
+            entropy_mask = None
+            if opts.top_entropy_quantile < 1.0:
+                entropy_mask = self.get_high_entropy_mask(
+                    entropies, mask, 1 - opts.top_entropy_quantile
+                )
+                keep = keep * entropy_mask
+            if self.off_policy_mask_threshold is not None:
+                sampling = inputs.get("sampling_per_token_logps", old)
+                keep = keep * self.get_off_policy_mask(
+                    advantages=advantages,
+                    per_token_logps=logps,
+                    sampling_per_token_logps=sampling,
+                    mask=mask,
+                    off_policy_threshold=self.off_policy_mask_threshold,
+                )
+            token_advantages = (advantages * keep).float()  # [B, C]
+
+            rollout = None
+            if opts.vllm_is:  # vLLM could not score some tokens (NaN): no correction there
+                sampling = inputs["sampling_per_token_logps"]
+                rollout = layout.to_full(torch.where(torch.isnan(sampling), old, sampling))
+            ref = inputs.get("ref_per_token_logps") if opts.beta != 0.0 else None
+
+            normalizer, entropy_scale = self._logitless_normalizer(opts, inputs, mask, mode)
+            if opts.entropy_bonus:
+                config = dataclasses.replace(config, entropy_coef=self.entropy_coef * entropy_scale)
+            loss, _ = fused_policy_loss(
+                hidden,
+                head.weight,
+                labels,
+                layout.to_full(old.float()),
+                layout.to_full(token_advantages),
+                config=config,
+                ref_logprobs=None if ref is None else layout.to_full(ref.float()),
+                rollout_logprobs=rollout,
+                normalizer=normalizer,
+                **head_kwargs,
+            )
+
+        self._logitless_log(
+            opts, mode, loss, logps, old, advantages, mask, ref, entropies, accumulation
+        )
+        return loss
+
+    def _logitless_normalizer(self, opts: _Options, inputs, mask, mode):
+        """TRL's denominators of this micro-batch as a LossNormalizer, and the factor that
+        turns the bonus's token mean over the normalizer's count into TRL's per-micro-batch
+        mean divided by the accumulation steps."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        local_tokens = mask.sum().clamp(min=1.0).float()
+        rows = float(mask.shape[0]) * accumulation
+        if opts.loss_type in ("dapo", "cispo"):
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0).float()
+            tokens = tokens / self.accelerator.num_processes
+            if mode == "train":  # per accumulation window of the generation batch
+                tokens = tokens * accumulation / self.args.steps_per_generation
+        else:
+            tokens = local_tokens * accumulation
+        entropy_scale = float(tokens / (local_tokens * accumulation))  # 1.0 but for dapo/cispo
+        return LossNormalizer(num_tokens=tokens, num_sequences=rows), entropy_scale
+
+    def _logitless_log(
+        self, opts, mode, loss, logps, old, advantages, mask, ref, entropies, accumulation
+    ):
+        """The metrics ``GRPOTrainer._compute_loss`` logs, from the no-grad log-probs."""
+        metrics = self._metrics[mode]
+        maskf = mask.float()
+        log_ratio = logps - old
+        if opts.importance_sampling_level == "sequence":
+            seq = (log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)
+            ratio = seq.exp().unsqueeze(-1)  # [B, 1]
+        else:
+            ratio = log_ratio.exp()  # [B, C]
+
+        def global_mean(x: torch.Tensor) -> float:
+            if x.shape[1] == 1:  # one value per sequence
+                total, count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+            else:
+                total, count = (x * maskf).sum(), maskf.sum()
+            totals = self.accelerator.reduce(torch.stack([total, count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def seq_mean(x: torch.Tensor) -> torch.Tensor:
+            return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
+
+        if opts.entropy_bonus:
+            bonus = (entropies * maskf).sum() / maskf.sum().clamp(min=1.0) / accumulation
+            policy = loss.detach() + self.entropy_coef * bonus
+            if opts.loss_type in _PER_STEP:
+                policy = policy * accumulation
+            metrics["policy_loss"].append(self.accelerator.gather(policy).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                metrics["entropy_coef"].append(self.entropy_coef)
+        if opts.beta != 0.0:
+            x = ref - logps
+            kl = torch.exp(x) - x - 1
+            if opts.use_bias_correction_kl:
+                kl = kl * ratio
+            metrics["kl"].append(global_mean(kl))
+        metrics["entropy"].append(global_mean(entropies))
+        if opts.loss_type in _PPO_FAMILY:
+            low = ((ratio < 1 - opts.epsilon_low) & (advantages < 0)).float()
+            high = ((ratio > 1 + opts.epsilon_high) & (advantages > 0)).float()
+            metrics["clip_ratio/low_mean"].append(global_mean(low))
+            metrics["clip_ratio/high_mean"].append(global_mean(high))
+            metrics["clip_ratio/region_mean"].append(global_mean(((low + high) > 0).float()))
+            gathered_low = self.accelerator.gather(seq_mean(low))
+            metrics["clip_ratio/low_min"].append(nanmin(gathered_low).item())
+            gathered_high = self.accelerator.gather(seq_mean(high))
+            metrics["clip_ratio/high_max"].append(nanmax(gathered_high).item())
+        elif opts.loss_type == "cispo":
+            clipped = ((ratio > opts.epsilon_high) & (advantages > 0)).float()
+            metrics["cispo_clip_ratio"].append(global_mean(clipped))
+
+
+class LogitlessGRPOTrainer(LogitlessGRPOMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with its log-probs and loss computed by logitless.
+
+    Same constructor, options, training loop and logged metrics; see the module doc for what
+    changes (no ``[tokens, vocab]`` logits) and what is refused.
+    """
