@@ -932,10 +932,10 @@ def test_kl_importance_weight_sequence_refused_under_context_parallelism():
     cfg = PolicyLossConfig(ratio_level="sequence", kl_coef=0.1, kl_importance_weight=True)
     lp, old, adv, mask = _inputs()
     # the check runs before any collective, so a stand-in group object is enough to reach it
-    with pytest.raises(ValueError, match="kl_importance_weight"):
-        from logitless.losses.policy import _check_inputs
+    from logitless.losses.checks import _local_checks
 
-        _check_inputs(lp, old, adv, mask, cfg, None, lp, None, None, grouped=True)
+    with pytest.raises(ValueError, match="kl_importance_weight"):
+        _local_checks(lp, old, adv, mask, cfg, None, lp, None, None, None, None, True, False)
 
 
 NEW_OPTION_CONFIGS = {
@@ -965,11 +965,10 @@ def test_new_options_fused_equals_composed(name):
     linear_logprobs, loss and head gradients; micro-batches sum to the batch. The inputs are
     float64 but the head returns fp32 log-probs, hence fp32 tolerances."""
     import logitless
-    from logitless.fused_loss import is_token_local
 
     cfg = NEW_OPTION_CONFIGS[name]
     # the new options keep a token-level loss token-local (one fused pass)
-    assert is_token_local(cfg) == (cfg.ratio_level == "token")
+    assert cfg.is_token_local == (cfg.ratio_level == "token")
     g = torch.Generator().manual_seed(5)
     B, T, H, V = 3, 7, 8, 37
     hidden = torch.randn(B, T, H, generator=g, dtype=D)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from logitless import LossNormalizer, PolicyLossConfig, policy_loss
+from logitless import PolicyLossConfig, policy_loss
 
 D = torch.float64
 
@@ -263,20 +263,20 @@ def test_icepop_band_as_mismatch_mask_keeps_the_denominator():
         dual_clip=3.0, aggregation="token_mean", mismatch_token_mask=(1 / 1.8, 1 / 0.6)
     )
     lp = b["lp"].clone().requires_grad_(True)
-    norm = LossNormalizer(num_tokens=float(keep.sum()), num_sequences=5.0)
-    got, _ = policy_loss(
-        lp,
-        b["old"],
-        b["adv"],
-        b["mask"],
-        config=cfg,
-        rollout_logprobs=b["rollout"],
-        normalizer=norm,
+    # verl's numbers: its band removes the tokens from the loss mask (denominator included), so
+    # the loss mask is the band's keep mask; the mismatch mask then drops nothing more
+    got, _ = policy_loss(lp, b["old"], b["adv"], keep, config=cfg, rollout_logprobs=b["rollout"])
+    # with the whole mask, mismatch_token_mask drops the same policy terms but keeps the tokens
+    # in the denominator: the loss is verl's scaled by kept / valid tokens
+    kept_denominator, _ = policy_loss(
+        lp.detach(), b["old"], b["adv"], b["mask"], config=cfg, rollout_logprobs=b["rollout"]
     )
     kept = dict(b, mask=keep)
     lp_ref = b["lp"].clone().requires_grad_(True)
     expected = verl_vanilla(kept, lp_ref, 0.2, 0.2, 3.0, "token-mean")
     assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    scale = float(keep.sum()) / float(b["mask"].sum())
+    assert_close(kept_denominator, expected.detach() * scale, rtol=1e-12, atol=1e-14)
     assert_close(
         torch.autograd.grad(got, lp)[0],
         torch.where(b["mask"], torch.autograd.grad(expected, lp_ref)[0], 0.0),

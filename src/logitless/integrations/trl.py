@@ -527,8 +527,14 @@ class LogitlessGRPOMixin:
                 tokens = tokens * accumulation / self.args.steps_per_generation
         else:
             tokens = local_tokens * accumulation
-        entropy_scale = float(tokens / (local_tokens * accumulation))  # 1.0 but for dapo/cispo
-        return LossNormalizer(num_tokens=tokens, num_sequences=rows), entropy_scale
+        own = local_tokens * accumulation
+        entropy_scale = float(tokens / own)  # 1.0 but for dapo/cispo
+        # TRL's dapo/cispo denominator can be smaller than this micro-batch's own token count
+        # (num_items_in_batch spread over steps_per_generation): a normalizer may not count
+        # fewer tokens than its call holds, so count `own` and scale the loss by own / tokens.
+        scale = float(own / tokens) if float(tokens) < float(own) else 1.0
+        count = own if scale != 1.0 else tokens
+        return LossNormalizer(num_tokens=count, num_sequences=rows, loss_scale=scale), entropy_scale
 
     def _logitless_log(
         self, opts, mode, loss, logps, old, advantages, mask, ref, entropies, accumulation
