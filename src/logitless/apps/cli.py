@@ -7,6 +7,7 @@ new ones (``demo``, ...) slot in beside ``bench``.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import re
 import sys
@@ -322,9 +323,23 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 )
 
 
+def package_version() -> str:
+    """The installed logitless version: package metadata, else ``logitless.__version__``.
+
+    The metadata is read without importing logitless (and so torch): ``--version`` is instant.
+    """
+    try:
+        return importlib.metadata.version("logitless")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        import logitless
+
+        return str(getattr(logitless, "__version__", "unknown"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command."""
     parser = argparse.ArgumentParser(prog="logitless", description="logitless command-line tools")
+    parser.add_argument("--version", action="version", version=f"logitless {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
         add(sub)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import importlib.metadata
 import json
 import os
 import platform
@@ -17,6 +16,7 @@ from typing import TextIO
 
 import torch
 
+from ..cli import package_version
 from .worker import RESULT_PREFIX
 from .workload import Workload
 
@@ -302,19 +302,9 @@ def append_csv(path: Path, rows: Sequence[Row], timestamp: str) -> None:
                     "note": r.reason,
                     "machine": machine,
                     "torch": torch.__version__,
-                    "logitless": logitless_version(),
+                    "logitless": package_version(),
                 }
             )
-
-
-def logitless_version() -> str:
-    """Installed logitless version (package metadata, else the module attribute)."""
-    try:
-        return importlib.metadata.version("logitless")
-    except importlib.metadata.PackageNotFoundError:
-        import logitless
-
-        return str(getattr(logitless, "__version__", "unknown"))
 
 
 def _csv_num(value: float | None) -> str:
