@@ -116,6 +116,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout", type=_positive_float, metavar="S", help="per-method subprocess time limit"
     )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="progress: only one line per finished method (no repeats, elapsed or time left)",
+    )
     p.set_defaults(handler=_run_bench_command, command_parser=p)
 
 
@@ -186,7 +191,11 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         flush=True,
     )
     rows = run_bench(
-        methods, workloads_for(base, args.tokens), log=sys.stderr, timeout_s=args.timeout
+        methods,
+        workloads_for(base, args.tokens),
+        log=sys.stderr,
+        timeout_s=args.timeout,
+        progress=not args.quiet,
     )
     print(format_table(rows))
     if not args.no_csv:
