@@ -112,7 +112,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="input RNG seed")
     p.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="CSV to append rows to")
     p.add_argument("--no-csv", action="store_true", help="do not write the CSV")
-    p.add_argument("--plot", type=Path, metavar="PNG", help="write memory/time vs tokens here")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="write a plot of time and memory here: bars for one --tokens, lines for several",
+    )
     p.add_argument(
         "--timeout", type=_positive_float, metavar="S", help="per-method subprocess time limit"
     )
@@ -147,6 +152,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         append_csv,
         check_csv_header,
         format_table,
+        machine_string,
         now_timestamp,
         run_bench,
         workloads_for,
@@ -204,7 +210,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.plot is not None:
         from .bench.plot import plot_rows
 
-        plot_rows(rows, args.plot)
+        plot_rows(rows, args.plot, machine_string())
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in rows) else 0
 
