@@ -229,9 +229,12 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "GRPO on a tiny random-init Llama (transformers, built from a config: nothing is "
             "downloaded) with a 16k vocabulary, learning to echo the last digit of its prompt. "
-            "Prints a progress bar with reward, loss, KL and entropy, a summary (reward first "
-            "-> last, peak memory per step) and saves a plot. --naive runs the same loop with "
-            "model(...).logits -> log_softmax, to see the memory difference."
+            "Prints a progress bar (warm-up, then reward, loss, KL and entropy per step), a "
+            "summary per run (reward first -> last, peak memory per step, run time) and saves a "
+            "plot. --naive runs the same loop with model(...).logits -> log_softmax, to see the "
+            "memory difference; --compare runs both over several seeds (one RL run drifts from "
+            "another by float rounding, so one seed proves nothing) and checks one update of "
+            "both paths against each other in float64."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -241,9 +244,24 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "--naive", action="store_true", help="full-logits head path instead of logitless"
     )
     mode.add_argument(
-        "--compare", action="store_true", help="run logitless, then naive, and plot both"
+        "--compare",
+        action="store_true",
+        help="run logitless and naive for each seed, compare the final rewards over seeds, "
+        "check one update in float64, plot both",
+    )
+    mode.add_argument(
+        "--check-step",
+        action="store_true",
+        help="only check one GRPO update: logitless vs naive on the same policy and batch, in "
+        "float64 and fp32 (seconds; no training run)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="model, prompt and sampling seed")
+    p.add_argument(
+        "--seeds",
+        type=_positive_int,
+        metavar="N",
+        help="runs per mode, seeds --seed, --seed + 1, ... (default: 3 with --compare, else 1)",
+    )
     p.add_argument("--device", type=_device, default=d.device, help="cpu, cuda or cuda:N")
     p.add_argument("--vocab", type=_positive_int, default=d.vocab, help="vocabulary size V")
     p.add_argument("--prompts", type=_positive_int, default=d.prompts, help="prompts per step")
@@ -266,11 +284,23 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Handler of ``logitless demo``: run one mode (or both), summarize, plot."""
+    """Handler of ``logitless demo``: run one mode (or both) per seed, summarize, plot."""
+    import statistics
+    import time
+
     import torch
 
-    from .demo import DemoConfig, plot_demo, run_demo, show_samples, write_csv
+    from .demo import (
+        DemoConfig,
+        check_step,
+        plot_demo,
+        run_demo,
+        seeds_summary,
+        show_samples,
+        write_csv,
+    )
 
+    t0 = time.perf_counter()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available in this torch build")
     if args.group < 2:
@@ -281,44 +311,65 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("logitless demo needs transformers: pip install 'logitless[hf]'")
     torch.set_num_threads(args.threads)
     modes = [False, True] if args.compare else [args.naive]
+    n_seeds = args.seeds if args.seeds is not None else (3 if args.compare else 1)
+    seeds = list(range(args.seed, args.seed + n_seeds))
     try:
         configs = [
             DemoConfig(
                 steps=args.steps,
                 naive=naive,
-                seed=args.seed,
+                seed=seed,
                 device=args.device,
                 vocab=args.vocab,
                 prompts=args.prompts,
                 group=args.group,
                 lr=args.lr,
             )
+            for seed in seeds
             for naive in modes
         ]
     except ValueError as exc:
         parser.error(str(exc))
     c = configs[0]
+    what = (
+        "one update checked in float64"
+        if args.check_step
+        else f"{c.steps} steps, seed{'s' if n_seeds > 1 else ''} {', '.join(map(str, seeds))}"
+    )
     print(
         f"logitless demo: GRPO on a random-init Llama (V={c.vocab}, H={c.hidden}, {c.layers} "
         f"layers), echo the last of {c.digits} digits; {c.prompts} prompts x {c.group} samples "
-        f"per step, {c.steps} steps, {c.device}, {args.threads} threads",
+        f"per step, {what}, {c.device}, {args.threads} threads",
         flush=True,
     )
+    if args.check_step:
+        for seed_config in configs:
+            print(check_step(seed_config).summary(), flush=True)
+        print(f"done in {time.perf_counter() - t0:.0f} s")
+        return 0
     results = []
     for config in configs:
         result = run_demo(config, progress=not args.quiet)
         results.append(result)
         print(result.summary(), flush=True)
-        for line in show_samples(result, n=3):
-            print(f"    {line}")
+        if config.seed == args.seed:  # what the trained policy answers, first seed only
+            for line in show_samples(result, n=3):
+                print(f"    {line}")
     print(results[0].memory_note)
-    if len(results) == 2:
-        fused, naive = results
-        print(
-            f"naive / logitless peak step memory: "
-            f"{naive.peak_mb(typical=True) / fused.peak_mb(typical=True):.1f}x (median), "
-            f"{naive.peak_mb() / fused.peak_mb():.1f}x (max)"
+    if args.compare:
+        fused_mb, naive_mb = (
+            statistics.median(r.peak_mb(typical=True) for r in results if r.config.naive == naive)
+            for naive in (False, True)
         )
+        print(
+            f"naive / logitless peak step memory: {naive_mb:.0f} / {fused_mb:.0f} MB = "
+            f"{naive_mb / fused_mb:.1f}x (median step, median over seeds)"
+        )
+    if args.compare or n_seeds > 1:
+        for line in seeds_summary(results):
+            print(line)
+    if args.compare:
+        print(check_step(c).summary(), flush=True)
     if args.csv is not None:
         write_csv(results, args.csv)
         print(f"wrote {args.csv}")
@@ -329,6 +380,8 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
             print(f"wrote {path}")
         else:
             print("no plot: matplotlib is not installed (pip install 'logitless[bench]')")
+    elapsed = time.perf_counter() - t0
+    print(f"demo run time: {elapsed // 60:.0f} min {elapsed % 60:.0f} s ({len(results)} runs)")
     return 0
 
 
