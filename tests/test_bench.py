@@ -160,6 +160,24 @@ def test_progress_counts_a_method_that_cannot_run_as_overhead_only() -> None:
     assert bar.remaining() == pytest.approx(20.0 + 1.0)
 
 
+def test_progress_counts_a_slow_warmup_once() -> None:
+    """A warm-up slower than the repeats (compilation) is a one-off, not a per-token cost."""
+    clock = _Clock()
+    bar = BenchProgress(_plan("a", (100, 200)), io.StringIO(), live=False, clock=clock)
+    bar.start(0)
+    for clock.t, event in (
+        (1.0, {"event": "ready"}),
+        (6.0, {"event": "warmup", "seconds": 5.0}),
+        (7.0, {"event": "repeat", "index": 1, "of": 2, "seconds": 1.0}),
+        (8.0, {"event": "repeat", "index": 2, "of": 2, "seconds": 1.0}),
+    ):
+        bar.event(event)
+    clock.t = 9.0
+    bar.finish(0, Row("a", _work(tokens=100, repeats=2), "skipped", reason="r"))
+    # overhead 9 - 7 = 2; a@200: 2 + (5 - 1) once + 3 steps of 1 s * 200/100
+    assert bar.remaining() == pytest.approx(2.0 + 4.0 + 6.0)
+
+
 def test_progress_live_line_is_redrawn_and_cleared() -> None:
     """On a terminal the status is one line redrawn in place, cleared before each result line
     and at the end, so the table printed after it starts on a clean line."""

@@ -5,11 +5,12 @@ On a terminal one status line is redrawn in place (``\\r``) about once a second;
 a pipe each phase is one line. Finished methods get their result line either way, so the log
 reads the same. Nothing goes to stdout, where the table is printed.
 
-The estimate is a model of the run, refined as it goes: a method's step costs what its steps
-cost so far (scaled by tokens when it was measured at another ``--tokens``), an unmeasured
-method what the measured ones cost per token on average, and every subprocess pays the
-overhead (Python and torch start-up, inputs, result, exit) the earlier ones paid. Methods that
-cannot run (a peer that is not installed) count as overhead only.
+The estimate is a model of the run, refined as it goes: a method's step costs what its
+repeats cost so far (scaled by tokens when it was measured at another ``--tokens``), an
+unmeasured method what the measured ones cost per token on average; a warm-up slower than the
+repeats (compilation) is a one-off cost of that method; every subprocess pays the overhead
+(Python and torch start-up, inputs, result, exit) the earlier ones paid. Methods that cannot
+run (a peer that is not installed) count as overhead only.
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ class _Unit:
     started: float | None = None
     ready: float | None = None  # inputs built, first step about to run
     finished: float | None = None
-    step_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # the warm-up, then each repeat
     phase: str = ""
+
+
+def _step(unit: _Unit) -> float:
+    """A unit's step time so far: the mean repeat, or the warm-up before any repeat."""
+    return statistics.mean(unit.step_s[1:] or unit.step_s)
 
 
 class BenchProgress:
@@ -137,8 +143,13 @@ class BenchProgress:
             return None
         per_token: dict[str, list[float]] = {}
         for u in timed:
-            per_token.setdefault(u.method, []).append(statistics.mean(u.step_s) / u.work.tokens)
+            per_token.setdefault(u.method, []).append(_step(u) / u.work.tokens)
         mean_per_token = statistics.mean(statistics.mean(v) for v in per_token.values())
+        # a warm-up longer than a step is a one-off (compilation, lazy imports): not per token
+        extra: dict[str, float] = {}
+        for u in timed:
+            if len(u.step_s) > 1:
+                extra[u.method] = max(0.0, u.step_s[0] - _step(u))
         # everything but the steps: interpreter and torch start-up, inputs, result, exit
         overheads = [
             u.finished - u.started - sum(u.step_s)
@@ -153,18 +164,22 @@ class BenchProgress:
             ]
         overhead = statistics.mean(overheads) if overheads else 0.0
 
-        def step_cost(u: _Unit) -> float:
+        def expected(u: _Unit) -> float:
+            if not u.steps:
+                return overhead
             if u.step_s:
-                return statistics.mean(u.step_s)
-            known = per_token.get(u.method)
-            return (statistics.mean(known) if known else mean_per_token) * u.work.tokens
+                step = _step(u)
+            else:
+                known = per_token.get(u.method)
+                step = (statistics.mean(known) if known else mean_per_token) * u.work.tokens
+            return overhead + extra.get(u.method, 0.0) + u.steps * step
 
         now, left = self.clock(), 0.0
         for u in self.units:
             if u.finished is not None:
                 continue
-            expected = overhead + u.steps * step_cost(u)
-            left += max(0.0, expected - (now - u.started)) if u.started is not None else expected
+            spent = 0.0 if u.started is None else now - u.started
+            left += max(0.0, expected(u) - spent)
         return left
 
     # ----------------------------------------------------------------------------- output
