@@ -22,8 +22,11 @@ and calls :func:`logitless.integrations.hf.causal_lm_logprobs` /
 :func:`~logitless.integrations.hf.causal_lm_policy_loss` (prompt rows are never projected,
 the loss's head gradients are taken in forward). ``naive`` takes ``model(...).logits`` ->
 ``log_softmax`` -> :func:`logitless.policy_loss`, the code people write by hand. Both give
-the same numbers (tests/test_demo.py); the naive one holds several ``[tokens, vocab]`` fp32
-tensors.
+the same numbers (tests/test_demo.py, and :func:`check_step` on the demo's own policy, in
+float64); the naive one holds several ``[tokens, vocab]`` fp32 tensors. Same numbers is not the
+same run: from the first sampled token that float rounding turns another way, two runs part,
+and each lands anywhere in the spread of its seeds; :func:`seeds_summary` compares the modes
+over seeds.
 
 A random-init policy spreads its mass over the 16k ids, so a reward on digits would start at
 ~0 and GRPO would see no signal. A short supervised warm-up (``warmup`` steps of
