@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from logitless.apps.bench.harness import CSV_COLUMNS, Row, add_ratios, append_csv, run_method
+from logitless.apps.bench.progress import BenchProgress, format_duration, format_step
 from logitless.apps.bench.workload import Workload
 from logitless.apps.cli import main
 
@@ -48,9 +50,13 @@ def test_bench_end_to_end(tmp_path: Path) -> None:
 
     for i, name in enumerate(METHODS, 1):
         assert f"[{i}/{len(METHODS)}] tokens=32 {name}:" in proc.stderr
+        # progress: method i of n, repeat j of r, elapsed and time left, on stderr only
+        assert f"method {i}/{len(METHODS)} {name} (tokens=32): repeat 1/1 " in proc.stderr
+    assert "elapsed 0:" in proc.stderr and " left" in proc.stderr
     table = proc.stdout.splitlines()
     assert table[0].split()[:4] == ["tokens", "method", "median", "s"]
     assert [ln.split()[1] for ln in table[2 : 2 + len(METHODS)]] == METHODS
+    assert not [ln for ln in table if "elapsed" in ln or ln.startswith(("[", "  method"))]
 
     with out_csv.open(newline="") as f:
         reader = csv.DictReader(f)
@@ -69,6 +75,136 @@ def test_bench_end_to_end(tmp_path: Path) -> None:
     assert float(by["logitless"]["mem_floor_mb"]) == pytest.approx((512 + 32) * 32 * 4 / 2**20)
     if has_mpl:
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_quiet_keeps_one_line_per_method() -> None:
+    """``--quiet``: stderr has the run line and one result line per method, nothing else; stdout
+    is the same table as with progress."""
+    cmd = [sys.executable, "-m", "logitless", "bench", *TINY, "--no-csv", "--quiet"]
+    cmd += ["--methods", "naive", "floor3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.splitlines()
+    assert len(err) == 3 and err[0].startswith("logitless bench: task=logprobs")
+    assert err[1].startswith("[1/2] tokens=32 naive: ") and err[2].startswith(
+        "[2/2] tokens=32 floor3:"
+    )
+    assert "elapsed" not in proc.stderr
+    table = proc.stdout.splitlines()
+    assert table[0].split()[:2] == ["tokens", "method"] and table[1].startswith("------")
+    assert [ln.split()[1] for ln in table[2:4]] == ["naive", "floor3"]
+    assert table[4].startswith("memfloor = ")
+
+
+def _plan(methods: str, tokens: tuple[int, ...]) -> list[tuple[str, Workload]]:
+    return [(m, _work(tokens=n, repeats=2)) for n in tokens for m in methods]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_progress_lines_and_time_left_by_hand() -> None:
+    """The estimate: a method's steps cost what they cost so far (per token when measured at
+    another size), an unmeasured method the mean per-token cost, every subprocess the overhead
+    (all but the steps) of the finished ones."""
+    clock, log = _Clock(), io.StringIO()
+    bar = BenchProgress(_plan("ab", (100, 200)), log, live=False, clock=clock)
+    assert bar.remaining() is None  # nothing timed yet
+    bar.start(0)
+    clock.t = 2.0
+    bar.event({"event": "ready"})
+    for clock.t, event in (
+        (3.0, {"event": "warmup", "seconds": 1.0}),
+        (4.0, {"event": "repeat", "index": 1, "of": 2, "seconds": 1.0}),
+        (5.0, {"event": "repeat", "index": 2, "of": 2, "seconds": 1.0}),
+    ):
+        bar.event(event)
+    clock.t = 6.0
+    bar.finish(0, Row("a", _work(tokens=100, repeats=2), "skipped", reason="r"))
+    # overhead 6 - 3 = 3 s; a costs 0.01 s/token per step, b unmeasured: the same
+    # b@100: 3 + 3 * 1 = 6; a@200: 3 + 3 * 2 = 9; b@200: 9
+    assert bar.remaining() == pytest.approx(24.0)
+    bar.start(1)
+    clock.t = 8.0
+    bar.event({"event": "ready"})
+    clock.t = 8.5
+    bar.event({"event": "warmup", "seconds": 0.5})
+    # b@100 now: 3 + 3 * 0.5 - 2.5 spent = 2; a@200: 9; b@200: 3 + 3 * 1.0 = 6
+    assert bar.remaining() == pytest.approx(17.0)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "  method 1/4 a (tokens=100): starting | elapsed 0:00, estimating time left"
+    # no method finished yet: overhead = start to ready (2 s); a@100: 2 + 3 - 3 spent = 2,
+    # b@100: 2 + 3 = 5, a@200 and b@200: 2 + 3 * 2 = 8 each
+    assert lines[1] == "  method 1/4 a (tokens=100): warm-up 1 s | elapsed 0:03, about 0:23 left"
+    assert lines[3].startswith("  method 1/4 a (tokens=100): repeat 2/2 1 s | elapsed 0:05, about")
+    assert lines[4] == "[1/4] tokens=100 a: skipped -- r | elapsed 0:06, about 0:24 left"
+    assert lines[-1].startswith("  method 2/4 b (tokens=100): warm-up 500 ms | elapsed 0:08, ")
+
+
+def test_progress_counts_a_method_that_cannot_run_as_overhead_only() -> None:
+    clock = _Clock()
+    bar = BenchProgress(
+        _plan("ab", (100,)), io.StringIO(), runs=lambda m, w: m == "a", live=False, clock=clock
+    )
+    bar.start(0)
+    clock.t = 1.0
+    bar.event({"event": "ready"})
+    clock.t = 11.0
+    bar.event({"event": "warmup", "seconds": 10.0})
+    # a: 1 s overhead (start to ready) + 3 steps of 10 s, 11 s spent; b: overhead only
+    assert bar.remaining() == pytest.approx(20.0 + 1.0)
+
+
+def test_progress_counts_a_slow_warmup_once() -> None:
+    """A warm-up slower than the repeats (compilation) is a one-off, not a per-token cost."""
+    clock = _Clock()
+    bar = BenchProgress(_plan("a", (100, 200)), io.StringIO(), live=False, clock=clock)
+    bar.start(0)
+    for clock.t, event in (
+        (1.0, {"event": "ready"}),
+        (6.0, {"event": "warmup", "seconds": 5.0}),
+        (7.0, {"event": "repeat", "index": 1, "of": 2, "seconds": 1.0}),
+        (8.0, {"event": "repeat", "index": 2, "of": 2, "seconds": 1.0}),
+    ):
+        bar.event(event)
+    clock.t = 9.0
+    bar.finish(0, Row("a", _work(tokens=100, repeats=2), "skipped", reason="r"))
+    # overhead 9 - 7 = 2; a@200: 2 + (5 - 1) once + 3 steps of 1 s * 200/100
+    assert bar.remaining() == pytest.approx(2.0 + 4.0 + 6.0)
+
+
+def test_progress_live_line_is_redrawn_and_cleared() -> None:
+    """On a terminal the status is one line redrawn in place, cleared before each result line
+    and at the end, so the table printed after it starts on a clean line."""
+    clock, log = _Clock(), io.StringIO()
+    bar = BenchProgress(_plan("a", (100,)), log, live=True, clock=clock)
+    bar.start(0)
+    clock.t = 1.5
+    bar.tick()
+    bar.event({"event": "ready"})
+    text = log.getvalue()
+    assert "\n" not in text and text.count("\r\x1b[K") == 3
+    assert text.endswith("method 1/1 a (tokens=100): warm-up | elapsed 0:02, estimating time left")
+    bar.finish(0, Row("a", _work(tokens=100, repeats=2), "failed", reason="boom"))
+    bar.close()
+    tail = log.getvalue()[len(text) :]
+    assert tail == "\r\x1b[K[1/1] tokens=100 a: failed -- boom | elapsed 0:02, done\n"
+
+
+def test_format_duration_and_step() -> None:
+    assert [format_duration(s) for s in (0, 59.4, 75.4, 3600, 3725)] == [
+        "0:00",
+        "0:59",
+        "1:15",
+        "1:00:00",
+        "1:02:05",
+    ]
+    assert (format_step(0.0123), format_step(2.5)) == ("12.3 ms", "2.5 s")
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import csv
 import importlib.util
+import io
 import math
 
 import pytest
@@ -20,18 +21,23 @@ from _tolerance import assert_no_worse_than_reference
 
 pytest.importorskip("transformers", reason="the demo's policy is a transformers model")
 
-from logitless.apps import cli  # noqa: E402
+from logitless.apps import cli, demo  # noqa: E402
 from logitless.apps.demo import (  # noqa: E402
     DIGIT0,
     IGNORE,
     Batch,
     DemoConfig,
+    DemoResult,
+    StepMetrics,
     ToyTask,
     _sample_rows,
     build_policy,
+    check_step,
+    final_rewards,
     plot_demo,
     rollout,
     run_demo,
+    seeds_summary,
     show_samples,
     step_loss,
     token_logprobs,
@@ -55,16 +61,20 @@ def test_run_demo_few_steps_metrics_csv_and_plot(tmp_path):
     assert any(r.reward > 0 for r in result.rows), "no learning signal: make TINY easier"
     # k3 is >= 0 per token; once updated, the policy has moved off the reference
     assert min(r.kl for r in result.rows) >= 0 and result.rows[-1].kl > 0
-    assert "naive" not in result.summary() and "3 steps" in result.summary()
+    summary = result.summary()
+    assert summary.startswith("logitless, seed 0: reward ") and "naive" not in summary
+    assert "3 steps in " in summary and "with build and warm-up" in summary
+    # the real run time: model build + warm-up + the steps
+    assert 0 < result.warmup_seconds < result.run_seconds
+    assert result.run_seconds >= result.warmup_seconds + result.steps_seconds()
     assert len(show_samples(result, n=2)) == 2
 
     path = tmp_path / "metrics.csv"
     write_csv([result], path)
     with path.open() as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["step"]) for r in rows] == [1, 2, 3] and {r["mode"] for r in rows} == {
-        "logitless"
-    }
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    assert {r["mode"] for r in rows} == {"logitless"} and {r["seed"] for r in rows} == {"0"}
     assert float(rows[2]["reward"]) == pytest.approx(result.rows[2].reward)
 
     png = tmp_path / "plot.png"
@@ -176,6 +186,81 @@ def test_fused_and_naive_agree_on_one_grpo_step():
         assert_no_worse_than_reference(f_g[name], n_g[name], t_g[name], f"loss grad {name}")
 
 
+def test_warmup_and_steps_show_progress():
+    """The warm-up (minutes at the default size) has its own progress bar, then the RL steps."""
+    stream = io.StringIO()
+    run_demo(DemoConfig(steps=2, **{**TINY, "warmup": 3}), progress=True, stream=stream)
+    text = stream.getvalue()
+    assert "warm-up logitless seed 0" in text and "cross-entropy=" in text and "3/3" in text
+    assert "GRPO logitless seed 0" in text and "reward=" in text
+    assert text.index("warm-up") < text.index("GRPO")
+    quiet = io.StringIO()
+    run_demo(DemoConfig(steps=1, **TINY), progress=False, stream=quiet)
+    assert quiet.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# one update in float64; several seeds
+
+
+def test_check_step_agrees_in_float64():
+    """Both head paths compute the same update: in float64 they agree to float64 rounding, in
+    fp32 each is off float64 by fp32 rounding only."""
+    check = check_step(DemoConfig(**TINY))
+    assert check.grad_scale > 0 and check.seed == 0
+    assert check.loss64_diff <= 1e-13
+    assert check.grad64_diff <= 1e-13 * check.grad_scale
+    for mode in ("logitless", "naive"):
+        assert 0 < check.grad32_err[mode] <= 1e-5 * check.grad_scale
+        assert check.loss32_err[mode] <= 1e-5
+    text = check.summary()
+    assert "in float64, logitless and naive differ by" in text and "in fp32" in text
+
+
+def test_check_step_catches_a_wrong_path(monkeypatch):
+    """The check is not vacuous: a naive loss off by 1e-4 shows up in float64."""
+    real = demo.step_loss
+
+    def off(model, batch, config, *, naive):
+        loss, metrics = real(model, batch, config, naive=naive)
+        return (loss * (1 + 1e-4) if naive else loss), metrics
+
+    monkeypatch.setattr(demo, "step_loss", off)
+    check = check_step(DemoConfig(**TINY))
+    assert check.loss64_diff > 1e-7 and check.grad64_diff > 1e-9 * check.grad_scale
+
+
+def _result(mode: str, seed: int, rewards: list[float], seconds: float = 1.0) -> DemoResult:
+    rows = [StepMetrics(i + 1, r, 0.0, 0.0, 1.0, 0.0, 10.0, 0.1) for i, r in enumerate(rewards)]
+    config = DemoConfig(naive=mode == "naive", seed=seed, steps=len(rewards))
+    return DemoResult(config, rows, "", None, warmup_seconds=0.5, run_seconds=seconds)
+
+
+def test_seeds_summary_by_hand():
+    """Final reward = mean of the last 10 steps (half the run if shorter); mean ± sample
+    standard deviation over seeds; the difference of the modes seed by seed."""
+    results = []
+    for seed, (a, b) in enumerate([(0.9, 0.6), (0.7, 0.8), (0.8, 0.7)]):
+        results.append(_result("logitless", seed, [0.1] * 4 + [a] * 4, seconds=30.0))
+        results.append(_result("naive", seed, [0.1] * 4 + [b] * 4, seconds=60.0))
+    finals = final_rewards(results)
+    assert finals == {"logitless": [0.9, 0.7, 0.8], "naive": [0.6, 0.8, 0.7]}
+    lines = seeds_summary(results)
+    assert lines[0].startswith("final reward (mean of the last 4 steps) over 3 seeds (0, 1, 2)")
+    assert lines[1] == "  logitless  0.800 ± 0.100  [0.90, 0.70, 0.80]  run time 30 s per seed"
+    assert lines[2] == "  naive      0.700 ± 0.100  [0.60, 0.80, 0.70]  run time 60 s per seed"
+    assert lines[3] == "  logitless - naive, paired by seed: +0.100 ± 0.200 [+0.30, -0.10, +0.10]"
+    one = seeds_summary([_result("logitless", 0, [0.2, 0.4])])
+    assert one[1].startswith("  logitless  0.400 ± 0.000  [0.40]") and len(one) == 2
+
+
+def test_plot_demo_several_seeds(tmp_path):
+    results = [_result(m, s, [0.1, 0.3, 0.5, 0.9]) for s in (0, 1) for m in ("logitless", "naive")]
+    png = tmp_path / "compare.png"
+    assert plot_demo(results, png) is HAS_MATPLOTLIB
+    assert png.exists() is HAS_MATPLOTLIB
+
+
 # ---------------------------------------------------------------------------------------------
 # pieces
 
@@ -249,7 +334,15 @@ def test_cli_demo_help(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--steps", "0"], ["--naive", "--compare"], ["--group", "1"], ["--vocab", "5"]]
+    "argv",
+    [
+        ["--steps", "0"],
+        ["--naive", "--compare"],
+        ["--check-step", "--compare"],
+        ["--group", "1"],
+        ["--vocab", "5"],
+        ["--seeds", "0"],
+    ],
 )
 def test_cli_demo_bad_input(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -260,12 +353,36 @@ def test_cli_demo_bad_input(argv, capsys):
 
 def test_cli_demo_compare_runs(tmp_path, capsys):
     png, table = tmp_path / "demo_{mode}.png", tmp_path / "demo.csv"
-    argv = ["demo", "--compare", "--steps", "2", "--vocab", "64", "--prompts", "2"]
+    argv = ["demo", "--compare", "--seeds", "2", "--steps", "2", "--vocab", "64", "--prompts", "2"]
     argv += ["--group", "2", "--quiet", "--plot", str(png), "--csv", str(table)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "logitless: reward" in out and "naive: reward" in out
+    assert "2 steps, seeds 0, 1" in out.splitlines()[0]
+    for mode in ("logitless", "naive"):
+        for seed in (0, 1):
+            assert f"{mode}, seed {seed}: reward" in out
     assert "naive / logitless peak step memory" in out
+    assert "final reward (mean of the last 1 steps) over 2 seeds (0, 1)" in out
+    assert "  logitless - naive, paired by seed: " in out
+    assert "in float64, logitless and naive differ by" in out
+    assert "demo run time: " in out and "(4 runs)" in out
     with table.open() as f:
-        assert [r["mode"] for r in csv.DictReader(f)] == ["logitless"] * 2 + ["naive"] * 2
+        rows = [(r["mode"], r["seed"]) for r in csv.DictReader(f)]
+    assert rows == [(m, s) for s in ("0", "1") for m in ("logitless", "naive") for _ in range(2)]
     assert (tmp_path / "demo_compare.png").exists() is HAS_MATPLOTLIB
+
+
+def test_cli_demo_check_step_only(capsys):
+    argv = ["demo", "--check-step", "--vocab", "64", "--prompts", "2", "--group", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "one update checked in float64" in out.splitlines()[0]
+    assert "in float64, logitless and naive differ by" in out and "reward" not in out
+
+
+def test_cli_demo_seeds_default(capsys):
+    """Several seeds by default only where modes are compared: one run stays one run."""
+    argv = ["demo", "--steps", "1", "--vocab", "64", "--prompts", "2", "--group", "2"]
+    assert cli.main([*argv, "--quiet", "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "1 steps, seed 0," in out and "seed 1" not in out and "final reward" not in out

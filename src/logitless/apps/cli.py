@@ -7,6 +7,7 @@ new ones (``demo``, ...) slot in beside ``bench``.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import re
 import sys
@@ -111,9 +112,19 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="input RNG seed")
     p.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="CSV to append rows to")
     p.add_argument("--no-csv", action="store_true", help="do not write the CSV")
-    p.add_argument("--plot", type=Path, metavar="PNG", help="write memory/time vs tokens here")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="write a plot of time and memory here: bars for one --tokens, lines for several",
+    )
     p.add_argument(
         "--timeout", type=_positive_float, metavar="S", help="per-method subprocess time limit"
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="progress: only one line per finished method (no repeats, elapsed or time left)",
     )
     p.set_defaults(handler=_run_bench_command, command_parser=p)
 
@@ -141,6 +152,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         append_csv,
         check_csv_header,
         format_table,
+        machine_string,
         now_timestamp,
         run_bench,
         workloads_for,
@@ -185,7 +197,11 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         flush=True,
     )
     rows = run_bench(
-        methods, workloads_for(base, args.tokens), log=sys.stderr, timeout_s=args.timeout
+        methods,
+        workloads_for(base, args.tokens),
+        log=sys.stderr,
+        timeout_s=args.timeout,
+        progress=not args.quiet,
     )
     print(format_table(rows))
     if not args.no_csv:
@@ -194,7 +210,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.plot is not None:
         from .bench.plot import plot_rows
 
-        plot_rows(rows, args.plot)
+        plot_rows(rows, args.plot, machine_string())
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in rows) else 0
 
@@ -213,9 +229,12 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "GRPO on a tiny random-init Llama (transformers, built from a config: nothing is "
             "downloaded) with a 16k vocabulary, learning to echo the last digit of its prompt. "
-            "Prints a progress bar with reward, loss, KL and entropy, a summary (reward first "
-            "-> last, peak memory per step) and saves a plot. --naive runs the same loop with "
-            "model(...).logits -> log_softmax, to see the memory difference."
+            "Prints a progress bar (warm-up, then reward, loss, KL and entropy per step), a "
+            "summary per run (reward first -> last, peak memory per step, run time) and saves a "
+            "plot. --naive runs the same loop with model(...).logits -> log_softmax, to see the "
+            "memory difference; --compare runs both over several seeds (one RL run drifts from "
+            "another by float rounding, so one seed proves nothing) and checks one update of "
+            "both paths against each other in float64."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -225,9 +244,24 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "--naive", action="store_true", help="full-logits head path instead of logitless"
     )
     mode.add_argument(
-        "--compare", action="store_true", help="run logitless, then naive, and plot both"
+        "--compare",
+        action="store_true",
+        help="run logitless and naive for each seed, compare the final rewards over seeds, "
+        "check one update in float64, plot both",
+    )
+    mode.add_argument(
+        "--check-step",
+        action="store_true",
+        help="only check one GRPO update: logitless vs naive on the same policy and batch, in "
+        "float64 and fp32 (seconds; no training run)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="model, prompt and sampling seed")
+    p.add_argument(
+        "--seeds",
+        type=_positive_int,
+        metavar="N",
+        help="runs per mode, seeds --seed, --seed + 1, ... (default: 3 with --compare, else 1)",
+    )
     p.add_argument("--device", type=_device, default=d.device, help="cpu, cuda or cuda:N")
     p.add_argument("--vocab", type=_positive_int, default=d.vocab, help="vocabulary size V")
     p.add_argument("--prompts", type=_positive_int, default=d.prompts, help="prompts per step")
@@ -250,11 +284,23 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Handler of ``logitless demo``: run one mode (or both), summarize, plot."""
+    """Handler of ``logitless demo``: run one mode (or both) per seed, summarize, plot."""
+    import statistics
+    import time
+
     import torch
 
-    from .demo import DemoConfig, plot_demo, run_demo, show_samples, write_csv
+    from .demo import (
+        DemoConfig,
+        check_step,
+        plot_demo,
+        run_demo,
+        seeds_summary,
+        show_samples,
+        write_csv,
+    )
 
+    t0 = time.perf_counter()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available in this torch build")
     if args.group < 2:
@@ -265,44 +311,65 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("logitless demo needs transformers: pip install 'logitless[hf]'")
     torch.set_num_threads(args.threads)
     modes = [False, True] if args.compare else [args.naive]
+    n_seeds = args.seeds if args.seeds is not None else (3 if args.compare else 1)
+    seeds = list(range(args.seed, args.seed + n_seeds))
     try:
         configs = [
             DemoConfig(
                 steps=args.steps,
                 naive=naive,
-                seed=args.seed,
+                seed=seed,
                 device=args.device,
                 vocab=args.vocab,
                 prompts=args.prompts,
                 group=args.group,
                 lr=args.lr,
             )
+            for seed in seeds
             for naive in modes
         ]
     except ValueError as exc:
         parser.error(str(exc))
     c = configs[0]
+    what = (
+        "one update checked in float64"
+        if args.check_step
+        else f"{c.steps} steps, seed{'s' if n_seeds > 1 else ''} {', '.join(map(str, seeds))}"
+    )
     print(
         f"logitless demo: GRPO on a random-init Llama (V={c.vocab}, H={c.hidden}, {c.layers} "
         f"layers), echo the last of {c.digits} digits; {c.prompts} prompts x {c.group} samples "
-        f"per step, {c.steps} steps, {c.device}, {args.threads} threads",
+        f"per step, {what}, {c.device}, {args.threads} threads",
         flush=True,
     )
+    if args.check_step:
+        for seed_config in configs:
+            print(check_step(seed_config).summary(), flush=True)
+        print(f"done in {time.perf_counter() - t0:.0f} s")
+        return 0
     results = []
     for config in configs:
         result = run_demo(config, progress=not args.quiet)
         results.append(result)
         print(result.summary(), flush=True)
-        for line in show_samples(result, n=3):
-            print(f"    {line}")
+        if config.seed == args.seed:  # what the trained policy answers, first seed only
+            for line in show_samples(result, n=3):
+                print(f"    {line}")
     print(results[0].memory_note)
-    if len(results) == 2:
-        fused, naive = results
-        print(
-            f"naive / logitless peak step memory: "
-            f"{naive.peak_mb(typical=True) / fused.peak_mb(typical=True):.1f}x (median), "
-            f"{naive.peak_mb() / fused.peak_mb():.1f}x (max)"
+    if args.compare:
+        fused_mb, naive_mb = (
+            statistics.median(r.peak_mb(typical=True) for r in results if r.config.naive == naive)
+            for naive in (False, True)
         )
+        print(
+            f"naive / logitless peak step memory: {naive_mb:.0f} / {fused_mb:.0f} MB = "
+            f"{naive_mb / fused_mb:.1f}x (median step, median over seeds)"
+        )
+    if args.compare or n_seeds > 1:
+        for line in seeds_summary(results):
+            print(line)
+    if args.compare:
+        print(check_step(c).summary(), flush=True)
     if args.csv is not None:
         write_csv(results, args.csv)
         print(f"wrote {args.csv}")
@@ -313,6 +380,8 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
             print(f"wrote {path}")
         else:
             print("no plot: matplotlib is not installed (pip install 'logitless[bench]')")
+    elapsed = time.perf_counter() - t0
+    print(f"demo run time: {elapsed // 60:.0f} min {elapsed % 60:.0f} s ({len(results)} runs)")
     return 0
 
 
@@ -322,9 +391,23 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 )
 
 
+def package_version() -> str:
+    """The installed logitless version: package metadata, else ``logitless.__version__``.
+
+    The metadata is read without importing logitless (and so torch): ``--version`` is instant.
+    """
+    try:
+        return importlib.metadata.version("logitless")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        import logitless
+
+        return str(getattr(logitless, "__version__", "unknown"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command."""
     parser = argparse.ArgumentParser(prog="logitless", description="logitless command-line tools")
+    parser.add_argument("--version", action="version", version=f"logitless {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
         add(sub)

@@ -22,8 +22,11 @@ and calls :func:`logitless.integrations.hf.causal_lm_logprobs` /
 :func:`~logitless.integrations.hf.causal_lm_policy_loss` (prompt rows are never projected,
 the loss's head gradients are taken in forward). ``naive`` takes ``model(...).logits`` ->
 ``log_softmax`` -> :func:`logitless.policy_loss`, the code people write by hand. Both give
-the same numbers (tests/test_demo.py); the naive one holds several ``[tokens, vocab]`` fp32
-tensors.
+the same numbers (tests/test_demo.py, and :func:`check_step` on the demo's own policy, in
+float64); the naive one holds several ``[tokens, vocab]`` fp32 tensors. Same numbers is not the
+same run: from the first sampled token that float rounding turns another way, two runs part,
+and each lands anywhere in the spread of its seeds; :func:`seeds_summary` compares the modes
+over seeds.
 
 A random-init policy spreads its mass over the 16k ids, so a reward on digits would start at
 ~0 and GRPO would see no signal. A short supervised warm-up (``warmup`` steps of
@@ -41,11 +44,13 @@ from __future__ import annotations
 
 import copy
 import csv
+import gc
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -62,13 +67,17 @@ __all__ = [
     "Batch",
     "DemoConfig",
     "DemoResult",
+    "StepCheck",
     "StepMetrics",
     "ToyTask",
     "build_policy",
+    "check_step",
+    "final_rewards",
     "plot_demo",
     "rollout",
     "run_demo",
     "sample",
+    "seeds_summary",
     "show_samples",
     "step_loss",
     "token_logprobs",
@@ -209,13 +218,17 @@ class DemoResult:
     """What :func:`run_demo` returns.
 
     config; rows: one :class:`StepMetrics` per RL step; memory_note: what ``peak_mem_mb``
-    means on this device; policy: the trained model (see :func:`show_samples`).
+    means on this device; policy: the trained model (see :func:`show_samples`);
+    warmup_seconds: wall time of the supervised warm-up; run_seconds: wall time of the whole
+    :func:`run_demo` call (model build, warm-up and the RL steps).
     """
 
     config: DemoConfig
     rows: list[StepMetrics]
     memory_note: str
     policy: PreTrainedModel | None = field(default=None, repr=False, compare=False)
+    warmup_seconds: float = 0.0
+    run_seconds: float = 0.0
 
     def window(self, steps: int = 10) -> int:
         """``steps``, or half the run if it is shorter (at least 1)."""
@@ -234,18 +247,23 @@ class DemoResult:
             return float("nan")
         return values[len(values) // 2] if typical else values[-1]
 
+    def steps_seconds(self) -> float:
+        """Wall time of the RL steps alone."""
+        return sum(r.seconds for r in self.rows)
+
     def summary(self) -> str:
-        """One line: reward first -> last (10-step means), peak step memory, time, e.g.
-        ``logitless: reward 0.096 -> 0.993 (first/last 10 steps), peak step memory 66 MB
-        median / 86 MB max, 200 steps in 82 s``."""
+        """One line: reward first -> last (10-step means), peak step memory, times, e.g.
+        ``logitless, seed 0: reward 0.096 -> 0.993 (first/last 10 steps), peak step memory
+        66 MB median / 86 MB max, 200 steps in 46 s (run 52 s with build and warm-up)``."""
+        head = f"{self.config.mode}, seed {self.config.seed}"
         if not self.rows:
-            return f"{self.config.mode}: no steps"
-        seconds = sum(r.seconds for r in self.rows)
+            return f"{head}: no steps"
         return (
-            f"{self.config.mode}: reward {self.reward_window(True):.3f} -> "
+            f"{head}: reward {self.reward_window(True):.3f} -> "
             f"{self.reward_window(False):.3f} (first/last {self.window()} steps), peak step memory "
             f"{self.peak_mb(typical=True):.0f} MB median / {self.peak_mb():.0f} MB max, "
-            f"{len(self.rows)} steps in {seconds:.0f} s"
+            f"{len(self.rows)} steps in {self.steps_seconds():.0f} s "
+            f"(run {self.run_seconds:.0f} s with build and warm-up)"
         )
 
 
@@ -500,9 +518,16 @@ def step_loss(
 
 
 def _warmup(
-    model: PreTrainedModel, task: ToyTask, config: DemoConfig, generator: torch.Generator
+    model: PreTrainedModel,
+    task: ToyTask,
+    config: DemoConfig,
+    generator: torch.Generator,
+    on_step: Callable[[float], None] | None = None,
 ) -> None:
-    """Supervised format warm-up: cross-entropy on answers of *random* digits."""
+    """Supervised format warm-up: cross-entropy on answers of *random* digits.
+
+    ``on_step`` is called with each step's loss (for the progress bar).
+    """
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.warmup_lr, weight_decay=0.0)
     n = config.prompts * config.group
     for _ in range(config.warmup):
@@ -515,6 +540,8 @@ def _warmup(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if on_step is not None:
+            on_step(float(loss.detach()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,9 +636,9 @@ def run_demo(
     """Warm up, then train the toy policy with GRPO for ``config.steps`` steps.
 
     Deterministic for a given config on one machine (prompts and samples use their own
-    generators). ``progress`` shows a bar (tqdm if installed) with reward, loss, KL, entropy
-    and memory on ``stream`` (default stderr); ``on_step`` is called with each step's
-    metrics.
+    generators). ``progress`` shows a bar (tqdm if installed) on ``stream`` (default
+    stderr): the warm-up's cross-entropy, then each RL step's reward, loss, KL, entropy and
+    memory; ``on_step`` is called with each step's metrics.
 
     ``peak_mem_mb`` of a step is its peak memory above what was in use when it started (see
     :func:`memory_meaning`): what the step itself allocates (sampling, logits or head chunks,
@@ -632,14 +659,33 @@ def run_demo(
     prompt_generator = torch.Generator().manual_seed(config.seed)
     sample_generator = torch.Generator(device=device).manual_seed(config.seed + 1)
 
+    t_start = time.perf_counter()
     policy = build_policy(config)
-    _warmup(policy, task, config, prompt_generator)
+    label = f"{config.mode} seed {config.seed}"
+    t_warmup = time.perf_counter()
+    bar = _Progress(config.warmup, f"warm-up {label}", stream, progress and config.warmup > 0)
+    try:
+        _warmup(
+            policy,
+            task,
+            config,
+            prompt_generator,
+            on_step=lambda loss: bar.update(f"cross-entropy={loss:.3f}"),
+        )
+    finally:
+        bar.close()
+    warmup_seconds = time.perf_counter() - t_warmup
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, weight_decay=0.0)
 
     rows: list[StepMetrics] = []
     note = ""
-    bar = _Progress(config.steps, f"GRPO {config.mode}", stream, progress)
+    bar = _Progress(config.steps, f"GRPO {label}", stream, progress)
+    # The CPU memory meter collects garbage before each step; a full collection walks every
+    # object of torch and transformers (~0.2 s, half a step). Frozen, they are skipped: the
+    # collection still frees everything the steps create.
+    gc.collect()
+    gc.freeze()
     try:
         for step in range(1, config.steps + 1):
             t0 = time.perf_counter()
@@ -678,8 +724,16 @@ def run_demo(
                 f"entropy={row.entropy:.3f} mem={row.peak_mem_mb:.0f}MB"
             )
     finally:
+        gc.unfreeze()
         bar.close()
-    return DemoResult(config, rows, memory_meaning(device, note), policy)
+    return DemoResult(
+        config,
+        rows,
+        memory_meaning(device, note),
+        policy,
+        warmup_seconds=warmup_seconds,
+        run_seconds=time.perf_counter() - t_start,
+    )
 
 
 def show_samples(result: DemoResult, n: int = 4, seed: int = 12345) -> list[str]:
@@ -700,20 +754,190 @@ def show_samples(result: DemoResult, n: int = 4, seed: int = 12345) -> list[str]
 
 
 # ---------------------------------------------------------------------------------------------
+# one update of both modes on the same batch, in float64 and fp32
+
+
+def _as_double(batch: Batch) -> Batch:
+    """``batch`` with its float tensors in float64."""
+    return Batch(
+        batch.ids,
+        batch.labels,
+        batch.rewards.double(),
+        batch.advantages.double(),
+        batch.old_logprobs.double(),
+        batch.ref_logprobs.double(),
+        batch.entropy.double(),
+    )
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """One GRPO update computed by both head paths on the same policy and batch.
+
+    float64: the logitless and the naive path on a float64 copy of the policy;
+    ``loss64_diff`` / ``grad64_diff`` are the absolute differences of their losses and the
+    largest over every gradient entry of every parameter; ``grad_scale`` is the largest
+    gradient entry, to read them against. fp32: ``loss32_err`` / ``grad32_err`` are each fp32
+    path's error against the float64 naive result (``{"logitless": ..., "naive": ...}``).
+    ``clip_frac``: tokens whose ratio was clipped (the update is not a trivial one).
+    """
+
+    seed: int
+    loss64_diff: float
+    grad64_diff: float
+    grad_scale: float
+    loss32_err: dict[str, float]
+    grad32_err: dict[str, float]
+    clip_frac: float
+    seconds: float
+
+    def summary(self) -> str:
+        """Two lines: the float64 agreement, then the fp32 errors of both paths."""
+        return (
+            f"one GRPO update, same policy and batch (seed {self.seed}, "
+            f"{self.clip_frac:.0%} of tokens clipped): in float64, logitless and naive differ "
+            f"by {self.loss64_diff:.1e} in the loss and at most {self.grad64_diff:.1e} in any "
+            f"gradient entry (largest entry {self.grad_scale:.1e})\n"
+            f"in fp32, against float64: logitless loss error {self.loss32_err['logitless']:.1e}, "
+            f"gradient {self.grad32_err['logitless']:.1e}; naive loss error "
+            f"{self.loss32_err['naive']:.1e}, gradient {self.grad32_err['naive']:.1e}"
+        )
+
+
+def check_step(config: DemoConfig) -> StepCheck:
+    """Compute one GRPO update by both head paths, in float64 and fp32, on the same batch.
+
+    The policy is the run's own at its first RL step: built and warmed up as
+    :func:`run_demo` does for ``config.seed``, then one update on the first rollout batch so
+    that the checked (second) update sees ratios != 1, clipping and a KL term, as in the loop.
+    The two paths must agree to float64 rounding; in fp32 both carry rounding errors of the
+    same size. Training runs of the two modes drift apart from such rounding alone (a
+    different sample, then a different trajectory), which is why the demo compares them over
+    several seeds.
+    """
+    t0 = time.perf_counter()
+    config = replace(config, naive=False)
+    task = ToyTask(config.digits)
+    device = torch.device(config.device)
+    prompt_generator = torch.Generator().manual_seed(config.seed)
+    sample_generator = torch.Generator(device=device).manual_seed(config.seed + 1)
+    policy = build_policy(config)
+    _warmup(policy, task, config, prompt_generator)
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    batch = rollout(policy, reference, task, config, prompt_generator, sample_generator)
+    loss_config = config.loss_config()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, weight_decay=0.0)
+    loss, _ = step_loss(policy, batch, loss_config, naive=False)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+    optimizer.step()
+
+    double = copy.deepcopy(policy).double()
+    results: dict[tuple[str, bool], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+    clip_frac = 0.0
+    for precision, model, b in (("fp32", policy, batch), ("fp64", double, _as_double(batch))):
+        for naive in (False, True):
+            model.zero_grad(set_to_none=True)
+            loss, metrics = step_loss(model, b, loss_config, naive=naive)
+            loss.backward()
+            grads = {n: p.grad.detach().double() for n, p in model.named_parameters()}
+            results[(precision, naive)] = (loss.detach().double(), grads)
+            if precision == "fp32" and not naive:
+                clip_frac = float(metrics["clip_frac_low"] + metrics["clip_frac_high"])
+
+    def loss_diff(a: tuple[str, bool], b: tuple[str, bool]) -> float:
+        return float((results[a][0] - results[b][0]).abs())
+
+    def grad_diff(a: tuple[str, bool], b: tuple[str, bool]) -> float:
+        ga, gb = results[a][1], results[b][1]
+        return max(float((ga[n] - gb[n]).abs().max()) for n in gb)
+
+    truth = ("fp64", True)
+    return StepCheck(
+        seed=config.seed,
+        loss64_diff=loss_diff(("fp64", False), truth),
+        grad64_diff=grad_diff(("fp64", False), truth),
+        grad_scale=max(float(g.abs().max()) for g in results[truth][1].values()),
+        loss32_err={m: loss_diff(("fp32", m == "naive"), truth) for m in ("logitless", "naive")},
+        grad32_err={m: grad_diff(("fp32", m == "naive"), truth) for m in ("logitless", "naive")},
+        clip_frac=clip_frac,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# several seeds
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def final_rewards(results: Sequence[DemoResult]) -> dict[str, list[float]]:
+    """Per mode (in run order), the final reward of each run: its last-10-steps mean."""
+    out: dict[str, list[float]] = {}
+    for r in results:
+        out.setdefault(r.config.mode, []).append(r.reward_window(False))
+    return out
+
+
+def seeds_summary(results: Sequence[DemoResult]) -> list[str]:
+    """Lines comparing the modes over seeds: final reward mean ± standard deviation (and each
+    seed's), run time per seed; with two modes, their difference seed by seed (mean ±
+    standard deviation, and each)."""
+    if not results:
+        return []
+    seeds = list(dict.fromkeys(r.config.seed for r in results))
+    window = results[0].window()
+    lines = [
+        f"final reward (mean of the last {window} steps) over {len(seeds)} seed"
+        f"{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))}): mean ± standard "
+        "deviation across seeds [each seed]"
+    ]
+    finals = final_rewards(results)
+    width = max(len(m) for m in finals)
+    for mode, values in finals.items():
+        mean, std = _mean_std(values)
+        runs = [r for r in results if r.config.mode == mode]
+        run_s = sum(r.run_seconds for r in runs) / len(runs)
+        lines.append(
+            f"  {mode:<{width}}  {mean:.3f} ± {std:.3f}  [{', '.join(f'{v:.2f}' for v in values)}]"
+            f"  run time {run_s:.0f} s per seed"
+        )
+    modes = list(finals)
+    if len(modes) == 2 and len(seeds) > 1:  # paired by seed: same init, warm-up data, prompts
+        by_run = {(r.config.mode, r.config.seed): r.reward_window(False) for r in results}
+        diffs = [by_run[(modes[0], s)] - by_run[(modes[1], s)] for s in seeds]
+        mean, std = _mean_std(diffs)
+        lines.append(
+            f"  {modes[0]} - {modes[1]}, paired by seed: {mean:+.3f} ± {std:.3f} "
+            f"[{', '.join(f'{d:+.2f}' for d in diffs)}]"
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # output: CSV and plot
 
 
 def write_csv(results: Sequence[DemoResult], path: Path | str) -> None:
-    """One row per (mode, step) with every :class:`StepMetrics` field; overwrites ``path``."""
+    """One row per (mode, seed, step) with every :class:`StepMetrics` field; overwrites
+    ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    names = ["mode"] + [f.name for f in fields(StepMetrics)]
+    names = ["mode", "seed"] + [f.name for f in fields(StepMetrics)]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=names)
         writer.writeheader()
         for result in results:
             for row in result.rows:
-                writer.writerow({"mode": result.config.mode, **asdict(row)})
+                writer.writerow(
+                    {"mode": result.config.mode, "seed": result.config.seed, **asdict(row)}
+                )
 
 
 def _moving_mean(values: Sequence[float], k: int) -> list[float]:
@@ -726,8 +950,16 @@ def _moving_mean(values: Sequence[float], k: int) -> list[float]:
     return out
 
 
+MODE_COLORS = {"logitless": "#1f5fb4", "naive": "#e6862e"}
+
+
 def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
-    """PNG of reward and peak step memory per step, one line per run.
+    """PNG of reward and peak step memory per step, one curve per mode.
+
+    With one seed per mode: the reward of each step (faint) and its 10-step moving mean. With
+    several: the mean over seeds of the 10-step moving mean, in a band from the lowest to the
+    highest seed; the legend gives the final reward, mean ± standard deviation across seeds.
+    Memory: the median over seeds of each step's peak, in the same kind of band.
 
     Returns False, writing nothing, when matplotlib is not installed (the caller prints a
     note: ``pip install 'logitless[bench]'``).
@@ -741,31 +973,71 @@ def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
         return False
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained")
+    by_mode: dict[str, list[DemoResult]] = {}
     for result in results:
-        steps = [r.step for r in result.rows]
-        rewards = [r.reward for r in result.rows]
-        raw = ax_r.plot(steps, rewards, alpha=0.25, linewidth=0.8)[0]
+        by_mode.setdefault(result.config.mode, []).append(result)
+    for mode, runs in by_mode.items():
+        color = MODE_COLORS.get(mode)
+        steps = [r.step for r in runs[0].rows[: min(len(r.rows) for r in runs)]]
+        n = len(steps)
+        curves = [_moving_mean([r.reward for r in run.rows[:n]], 10) for run in runs]
+        mems = [[r.peak_mem_mb for r in run.rows[:n]] for run in runs]
+        mean_final, std_final = _mean_std([run.reward_window(False) for run in runs])
+        if len(runs) == 1:
+            ax_r.plot(steps, [r.reward for r in runs[0].rows], color=color, alpha=0.25, lw=0.8)
+            label = f"{mode}: 10-step mean (final {mean_final:.2f})"
+        else:
+            lo = [min(c[i] for c in curves) for i in range(n)]
+            hi = [max(c[i] for c in curves) for i in range(n)]
+            ax_r.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
+            label = (
+                f"{mode}: mean of {len(runs)} seeds, band min-max "
+                f"(final {mean_final:.2f} ± {std_final:.2f})"
+            )
         ax_r.plot(
             steps,
-            _moving_mean(rewards, 10),
-            color=raw.get_color(),
-            label=f"{result.config.mode} (10-step mean)",
+            [sum(c[i] for c in curves) / len(curves) for i in range(n)],
+            color=color,
+            label=label,
         )
-        ax_m.plot(steps, [r.peak_mem_mb for r in result.rows], label=result.config.mode)
+        median = [statistics.median(m[i] for m in mems) for i in range(n)]
+        if len(runs) > 1:
+            ax_m.fill_between(
+                steps,
+                [min(m[i] for m in mems) for i in range(n)],
+                [max(m[i] for m in mems) for i in range(n)],
+                color=color,
+                alpha=0.2,
+                lw=0,
+            )
+        ax_m.plot(
+            steps, median, color=color, label=f"{mode}: median {statistics.median(median):.0f} MB"
+        )
     c = results[0].config if results else DemoConfig()
+    seeds = sorted({r.config.seed for r in results})
+    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} seeds"
     ax_r.set(
         xlabel="GRPO step",
-        ylabel="mean reward",
+        ylabel="mean reward of the step's samples",
         ylim=(0, 1.02),
-        title=f"echo task, V={c.vocab}, {c.prompts} prompts x {c.group} samples",
+        title=f"reward (chance: 0.1), {seed_text}",
     )
-    ax_m.set(xlabel="GRPO step", ylabel="MB", title=f"peak extra memory of each step ({c.device})")
+    ax_m.set(
+        xlabel="GRPO step",
+        ylabel="MB",
+        title=f"peak extra memory of each step ({c.device})",
+    )
     ax_m.set_ylim(bottom=0)
+    fig.suptitle(
+        f"GRPO on a random-init Llama (V={c.vocab}, H={c.hidden}, {c.layers} layers): echo the "
+        f"last of {c.digits} digits; {c.prompts} prompts x {c.group} samples per step"
+    )
     for ax in (ax_r, ax_m):
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
+        ax.legend(fontsize=9, loc="lower right" if ax is ax_r else "best")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

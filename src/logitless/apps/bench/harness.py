@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import importlib.metadata
 import json
 import os
 import platform
+import queue
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import IO, TextIO
 
 import torch
 
-from .worker import RESULT_PREFIX
+from ..cli import package_version
+from .worker import PROGRESS_PREFIX, RESULT_PREFIX
 from .workload import Workload
 
 MIB = 1024 * 1024
@@ -72,23 +76,65 @@ class Row:
         return self.status == "ok"
 
 
-def run_method(method: str, work: Workload, timeout_s: float | None = None) -> Row:
+def run_method(
+    method: str,
+    work: Workload,
+    timeout_s: float | None = None,
+    *,
+    on_event: Callable[[dict[str, object]], None] | None = None,
+    on_tick: Callable[[], None] | None = None,
+) -> Row:
     """Measure ``method`` on ``work`` in a fresh Python subprocess.
 
     Whatever happens there -- an exception, the OOM killer, a timeout -- comes back as a
-    ``failed`` row with the reason; it never propagates.
+    ``failed`` row with the reason; it never propagates. ``on_event`` gets the worker's
+    progress events as they arrive; ``on_tick`` is called about once a second in between.
     """
     spec = json.dumps({"method": method, "workload": work.to_dict()})
     cmd = [sys.executable, "-m", "logitless.apps.bench.worker", spec]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return Row(method, work, "failed", reason=f"timed out after {timeout_s:g} s")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if not lines:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        return Row(method, work, "failed", reason=_exit_reason(proc.returncode) + f": {tail}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    timed_out = Row(method, work, "failed", reason=f"timed out after {timeout_s or 0:g} s")
+    out: list[str] = []
+    with (
+        tempfile.TemporaryFile(mode="w+") as err,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc,
+    ):
+        lines: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+        reader.start()
+        while True:
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            try:
+                line = lines.get(timeout=wait)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if on_tick is not None:
+                    on_tick()
+                continue
+            if line is None:  # the worker closed its stdout: it is exiting
+                break
+            if line.startswith(PROGRESS_PREFIX):
+                if on_event is not None:
+                    on_event(json.loads(line[len(PROGRESS_PREFIX) :]))
+            else:
+                out.append(line)
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            returncode = proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            reader.join(timeout=10)  # the pipe ends with the worker (and any child of it)
+            return timed_out
+        reader.join()
+        err.seek(0)
+        stderr = err.read()
+    results = [ln for ln in out if ln.startswith(RESULT_PREFIX)]
+    if not results:
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        return Row(method, work, "failed", reason=_exit_reason(returncode) + f": {tail}")
+    result = json.loads(results[-1][len(RESULT_PREFIX) :])
     if result["status"] != "ok":
         return Row(method, work, result["status"], reason=result["reason"])
     return Row(
@@ -101,6 +147,13 @@ def run_method(method: str, work: Workload, timeout_s: float | None = None) -> R
         time_p80_s=result["time_p80_s"],
         peak_extra_mb=result["peak_extra_bytes"] / MIB,
     )
+
+
+def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    """Copy ``stream``'s lines into ``lines`` (newline stripped), then None at its end."""
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
 
 
 def _exit_reason(returncode: int) -> str:
@@ -157,18 +210,43 @@ def run_bench(
     *,
     log: TextIO,
     timeout_s: float | None = None,
+    progress: bool = True,
 ) -> list[Row]:
-    """Measure every method at every workload, each in its own subprocess; add ratios."""
+    """Measure every method at every workload, each in its own subprocess; add ratios.
+
+    ``log`` gets one result line per method; with ``progress`` also method i of n, repeat j
+    of r, the elapsed time and an estimate of the time left (:mod:`.progress`).
+    """
+    from .methods import get_method
+    from .progress import BenchProgress
+
+    def runs(name: str, work: Workload) -> bool:
+        try:
+            return get_method(work.task, name).unavailable(work) is None
+        except Exception:  # the worker will report it; for the estimate, assume it runs
+            return True
+
+    plan = [(name, work) for work in workloads for name in method_names]
+    bar = BenchProgress(plan, log, runs=runs) if progress else None
     rows: list[Row] = []
-    total = len(method_names) * len(workloads)
-    for work in workloads:
-        group = []
-        for name in method_names:
-            row = run_method(name, work, timeout_s)
-            group.append(row)
-            print(progress_line(len(rows) + len(group), total, row), file=log, flush=True)
-        add_ratios(group)
-        rows.extend(group)
+    try:
+        for work in workloads:
+            group = []
+            for name in method_names:
+                index = len(rows) + len(group)
+                if bar is None:
+                    row = run_method(name, work, timeout_s)
+                    print(progress_line(index + 1, len(plan), row), file=log, flush=True)
+                else:
+                    bar.start(index)
+                    row = run_method(name, work, timeout_s, on_event=bar.event, on_tick=bar.tick)
+                    bar.finish(index, row)
+                group.append(row)
+            add_ratios(group)
+            rows.extend(group)
+    finally:
+        if bar is not None:
+            bar.close()
     return rows
 
 
@@ -302,19 +380,9 @@ def append_csv(path: Path, rows: Sequence[Row], timestamp: str) -> None:
                     "note": r.reason,
                     "machine": machine,
                     "torch": torch.__version__,
-                    "logitless": logitless_version(),
+                    "logitless": package_version(),
                 }
             )
-
-
-def logitless_version() -> str:
-    """Installed logitless version (package metadata, else the module attribute)."""
-    try:
-        return importlib.metadata.version("logitless")
-    except importlib.metadata.PackageNotFoundError:
-        import logitless
-
-        return str(getattr(logitless, "__version__", "unknown"))
 
 
 def _csv_num(value: float | None) -> str:

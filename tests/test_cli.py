@@ -1,0 +1,44 @@
+"""``logitless --version`` (and ``python -m logitless --version``): the package version, exit 0."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import logitless
+from logitless.apps import cli
+
+
+def _expected() -> str:
+    try:
+        return importlib.metadata.version("logitless")
+    except importlib.metadata.PackageNotFoundError:
+        return logitless.__version__
+
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"logitless {_expected()}"
+
+
+def test_version_falls_back_to_the_module_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from a source tree without package metadata: ``logitless.__version__``."""
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert cli.package_version() == logitless.__version__
+
+
+def test_python_dash_m_version() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "logitless", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"logitless {_expected()}"
