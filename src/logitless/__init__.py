@@ -8,6 +8,7 @@ from .head import LinearLogprobs, linear_logprobs
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
 from .modules import LogprobHead, PolicyLossHead
 from .packing import next_token_labels, segment_sum
+from .sampling import SamplingMask
 from .types import LogProbs
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "LossNormalizer",
     "PolicyLossConfig",
     "PolicyLossHead",
+    "SamplingMask",
     "StepAccumulator",
     "VocabParallel",
     "accumulation",
