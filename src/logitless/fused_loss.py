@@ -21,9 +21,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._validate import check_chunk_size, check_head_call
+from ._validate_replay import check_replay_call
 from .distributed import VocabParallel
+from .fused_replay import replay_policy_loss
 from .kernels import Backend, Rows, backend_module, head_options, kernel_labels, select_rows
 from .losses import DocumentStats, LossNormalizer, PolicyLossConfig, document_stats, policy_loss
+from .sampling import SamplingMask
 
 
 def is_token_local(config: PolicyLossConfig) -> bool:
@@ -56,6 +59,11 @@ def fused_policy_loss(
     vocab_parallel: VocabParallel | None = None,
     context_group: object | None = None,
     backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -100,6 +108,12 @@ def fused_policy_loss(
             over the group, the returned loss is this rank's share and the metrics are the
             group's. A collective call; the number of collectives does not depend on the rank's
             data or chunk count (the per-chunk gradients use precomputed document statistics).
+        sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
+            :func:`logitless.linear_logprobs`: the log-probs (and entropy) the loss sees are
+            over each row's kept set. Then the replay forward runs first, the loss gradient of
+            every row next, and the (sparse) replay backward last; the metrics gain
+            ``replay_kept_size``, ``replay_label_added`` and, with ``with_kept_mass``,
+            ``replay_log_kept_mass`` (see :mod:`logitless.fused_replay`).
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -118,6 +132,20 @@ def fused_policy_loss(
         head_dtype=head_dtype,
         vocab_parallel=vocab_parallel,
     )
+    replay = check_replay_call(
+        args,
+        ignore_index,
+        vocab_parallel=vocab_parallel,
+        sampling_mask=sampling_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+    )
+    if not isinstance(with_kept_mass, bool) or (with_kept_mass and replay is None):
+        raise ValueError(
+            f"with_kept_mass must be a bool, True only with sampling_mask= or top_k= / top_p= "
+            f"/ min_p=, got {with_kept_mass!r}"
+        )
     if len(args.batch_shape) not in (1, 2):
         raise ValueError(
             f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "
@@ -204,7 +232,32 @@ def fused_policy_loss(
             logp, _, ent, _ = backend_module(opts).forward_rows(*kernel_inputs, opts)
         return logp, ent
 
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tracked)
+    if replay is not None:
+        needs = (
+            rows.hidden.requires_grad,
+            weight.requires_grad,
+            bias is not None and bias.requires_grad,
+        )
+        loss, metrics, grads = replay_policy_loss(
+            rows,
+            weight,
+            bias,
+            kernel_inputs[3],
+            options(fused=False),
+            replay,
+            with_kept_mass=with_kept_mass,
+            needs=needs if grad else None,
+            loss_of=loss_of,
+            stats_of=stats_of,
+            loss_grads=_loss_grads,
+            context_group=context_group,
+        )
+        if grads is not None:
+            loss = _StoredGradients.apply(loss, _GradStore(grads), rows.hidden, weight, bias)
+        return loss, metrics
+
+    if not grad:
         return loss_of(*no_grad_pass(), group=context_group)
 
     # Context parallelism: the document statistics are summed over the group once, here;
