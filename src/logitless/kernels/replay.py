@@ -211,10 +211,12 @@ def _mask_entries(hidden, weight, bias, labels, temp, opts, ids, offsets):
     return local._replace(z=z), added, counts + added.long()
 
 
-def _replayed_entries(hidden, weight, bias, labels, labels_k, temp, opts, spec: RowReplay):
+def _replayed_entries(
+    hidden, weight, bias, labels, labels_k, temp, opts, spec: RowReplay, with_kept_mass: bool
+):
     """Kept entries of the replayed rows (global ids, logits from the candidate pass).
 
-    Returns (entries, label_added [R], kept_size [R], full-row lse [R])."""
+    Returns (entries, label_added [R], kept_size [R], full-row lse [R] or None)."""
     num_rows, dev = hidden.shape[0], hidden.device
     vocab = spec.vocab_size
     # Candidates: the largest binding top-k, or a first guess for rows cut by top-p / min-p only
@@ -228,6 +230,11 @@ def _replayed_entries(hidden, weight, bias, labels, labels_k, temp, opts, spec: 
     if bool(unbound.any()):
         cap = max(cap, DEFAULT_CANDIDATES)
     cap = min(cap, vocab)
+    # The whole row's log-sum-exp: for the kept-mass report, and for a top-p that no top-k
+    # bounds (it renormalizes over the whole row); otherwise the pass skips it.
+    with_mass = with_kept_mass or (
+        spec.top_p is not None and bool((unbound & (spec.top_p < 1)).any())
+    )
     parts: list[Entries] = []
     lse_full = torch.empty(num_rows, device=dev)
     zy = torch.empty(num_rows, device=dev)
@@ -242,6 +249,7 @@ def _replayed_entries(hidden, weight, bias, labels, labels_k, temp, opts, spec: 
             None if temp is None else _take(temp, None if whole else pending),
             opts,
             cap,
+            with_mass,
         )
         sets = kept_from_candidates(
             cand,
@@ -268,7 +276,7 @@ def _replayed_entries(hidden, weight, bias, labels, labels_k, temp, opts, spec: 
     entries, added = _with_labels(entries, labels, zy, num_rows)
     size = torch.zeros(num_rows, dtype=torch.int64, device=dev)
     size.index_add_(0, entries.rows, torch.ones_like(entries.rows))
-    return entries, added, size, lse_full
+    return entries, added, size, lse_full if with_mass else None
 
 
 def replay_forward(
@@ -343,7 +351,7 @@ def replay_forward(
                 min_p=_take(spec.min_p, trunc),
             )
             glob, add_t, size_t, lse_full = _replayed_entries(
-                h_t, weight, bias, y_t, yk_t, temp_t, sub, spec_t
+                h_t, weight, bias, y_t, yk_t, temp_t, sub, spec_t, with_kept_mass
             )
             lp, t_lse, t_ent = kept_stats(glob, n_t, opts.with_entropy)
             entries = _local(glob, vp)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..distributed import VocabParallel
 from .options import HeadOptions, Schedule
-from .tiles import _OnlineStats, _project, _weight_block
+from .tiles import _label_slot, _OnlineStats, _project, _weight_block
 
 # Candidate values + ids of one row chunk: at most this many [rows, C] entries at once.
 _CANDIDATE_ELEMS = 1 << 22
@@ -84,34 +84,69 @@ def _merge(cand_v, cand_i, extra, new_v, new_i, new_eq, cap: int):
     return vals, ids, extra
 
 
-def _fold_tile(cand_v, cand_i, extra, z: torch.Tensor, v0: int, cap: int, sparse: bool):
-    """Fold tile ``z`` [R, Vb] (vocabulary columns v0...) into the running candidates.
+class _RunningTopK:
+    """The C largest logits seen so far of R rows, and the count of ties left out.
 
-    ``sparse`` (CPU): only the logits at or above the running C-th value can enter; after the
-    first tiles they are few, so they are picked with ``nonzero`` (a host read, free on CPU)
-    instead of a ``topk`` over the whole tile. Otherwise (accelerators: no host sync) the
-    tile's own top ``min(C, Vb)`` are merged.
+    ``sparse`` (CPU): once a row holds C candidates, only tile logits at or above its C-th
+    value can still enter; they are picked with ``nonzero`` (a host read, free on CPU) into a
+    per-row buffer of width ``C / 2``, merged into the candidates only when the buffer is
+    full. Until the next merge the filter uses a stale (lower) C-th value, so it picks a
+    superset of what matters; nothing is lost. Otherwise (accelerators: no host sync) each
+    tile's own top ``min(C, Vb)`` are merged at once.
     """
-    rows, width = z.shape
-    if sparse:
-        above = z >= cand_v[:, -1:]
-        n_above = above.sum(1)
-        most = int(n_above.max()) if rows else 0
-        if most == 0:
-            return cand_v, cand_i, extra
-        if most * 4 <= width:
-            r, c = above.nonzero(as_tuple=True)
-            start = n_above.cumsum(0) - n_above
-            slot = torch.arange(r.numel(), device=z.device) - start[r]
+
+    def __init__(self, rows: int, cap: int, device: torch.device, sparse: bool) -> None:
+        self.cap, self.sparse = cap, sparse
+        self.vals = torch.full((rows, cap), float("-inf"), device=device)
+        self.ids = torch.full((rows, cap), -1, dtype=torch.int64, device=device)
+        self.extra = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.width = max(64, cap // 2)
+        self.buf_v = torch.full((rows, self.width), float("-inf"), device=device)
+        self.buf_i = torch.full((rows, self.width), -1, dtype=torch.int64, device=device)
+        self.fill = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.full = False  # every row holds C finite candidates
+
+    def _merge(self, new_v, new_i, new_eq) -> None:
+        self.vals, self.ids, self.extra = _merge(
+            self.vals, self.ids, self.extra, new_v, new_i, new_eq, self.cap
+        )
+
+    def flush(self) -> None:
+        """Merge the buffered logits into the candidates."""
+        if not self.sparse or not bool((self.fill > 0).any()):
+            return
+        buf_v = self.buf_v
+        self._merge(buf_v, self.buf_i, lambda t: _count_eq(buf_v, t))
+        self.buf_v = torch.full_like(buf_v, float("-inf"))
+        self.buf_i.fill_(-1)
+        self.fill.zero_()
+
+    def fold(self, z: torch.Tensor, v0: int) -> None:
+        """Fold tile ``z`` [R, Vb] (global vocabulary columns v0...)."""
+        rows, width = z.shape
+        if not self.sparse or not self.full:
+            new_v, pos = z.topk(min(self.cap, width), dim=1)
+            self._merge(new_v, pos + v0, lambda t: _count_eq(z, t))
+            self.full = self.sparse and bool(torch.isfinite(self.vals[:, -1]).all())
+            return
+        r, c = (z >= self.vals[:, -1:]).nonzero(as_tuple=True)
+        if not r.numel():
+            return
+        counts = torch.bincount(r, minlength=rows)
+        most = int(counts.max())
+        if int((self.fill + counts).max()) > self.width:
+            self.flush()
+        start = counts.cumsum(0) - counts
+        slot = torch.arange(r.numel(), device=z.device) - start[r]
+        if most > self.width:  # more than a buffer's worth at once: merge them directly
             new_v = z.new_full((rows, most), float("-inf"))
             new_i = torch.full((rows, most), -1, dtype=torch.int64, device=z.device)
-            new_v[r, slot] = z[r, c]
-            new_i[r, slot] = c + v0
-            # Every tile logit >= the new C-th value was picked (it is >= the old one).
-            return _merge(cand_v, cand_i, extra, new_v, new_i, lambda t: _count_eq(new_v, t), cap)
-    k = min(cap, width)
-    new_v, pos = z.topk(k, dim=1)
-    return _merge(cand_v, cand_i, extra, new_v, pos + v0, lambda t: _count_eq(z, t), cap)
+            new_v[r, slot], new_i[r, slot] = z[r, c], c + v0
+            self._merge(new_v, new_i, lambda t: _count_eq(new_v, t))
+            return
+        slot += self.fill[r]
+        self.buf_v[r, slot], self.buf_i[r, slot] = z[r, c], c + v0
+        self.fill += counts
 
 
 def _gather_ranks(vp: VocabParallel, t: torch.Tensor) -> list[torch.Tensor]:
@@ -144,19 +179,22 @@ def stream_candidates(
     temp: torch.Tensor | None,
     opts: HeadOptions,
     cap: int,
+    with_mass: bool = True,
 ) -> Candidates:
     """One pass over the vocabulary: the ``cap`` largest logits of each row (see the module).
 
     hidden: [R, H]; weight: [V, H] (this rank's shard under ``opts.vocab_parallel``); labels:
     [R] shard-local label ids; temp: [R] or None; ``cap`` <= the global vocabulary size.
-    Rows are processed in chunks whose ``[rows, cap]`` candidates stay within a fixed budget.
+    ``with_mass``: also the whole row's log-sum-exp (online max and ``Σ exp``; otherwise
+    ``lse`` is NaN). Rows are processed in chunks whose ``[rows, cap]`` candidates stay within
+    a fixed budget.
     """
     vp = opts.vocab_parallel
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     offset = 0 if vp is None else vp.vocab_start
     sched_vocab = vocab if vp is None else vp.max_shard
-    rows_per = max(1, min(opts.schedule.rows, _CANDIDATE_ELEMS // cap))
+    rows_per = max(1, min(opts.schedule.rows, _CANDIDATE_ELEMS // cap, num_rows))
     sched = Schedule.choose(num_rows, sched_vocab, dev, rows_per)
     sparse = dev.type == "cpu"
     h_all = hidden.to(opts.head_dtype)
@@ -169,22 +207,32 @@ def stream_candidates(
     for r0, r1 in sched.row_chunks(num_rows):
         n = r1 - r0
         t_rows = None if temp is None else temp[r0:r1]
-        cand_v = torch.full((n, cap), float("-inf"), device=dev)
-        cand_i = torch.full((n, cap), -1, dtype=torch.int64, device=dev)
-        extra = torch.zeros(n, dtype=torch.int64, device=dev)
+        top = _RunningTopK(n, cap, dev, sparse)
         stats = _OnlineStats(labels[r0:r1], with_entropy=False)
+        zy_c = torch.zeros(n, device=dev)
         for v0, v1 in sched.vocab_blocks(vocab):
             z = buf[: n * (v1 - v0)].view(n, v1 - v0)
             w, b = _weight_block(weight, bias, v0, v1, opts.head_dtype)
             _project(z, h_all[r0:r1], w, b, t_rows, opts)
-            cand_v, cand_i, extra = _fold_tile(cand_v, cand_i, extra, z, v0 + offset, cap, sparse)
-            stats.update(z, v0, destructive=True)
+            top.fold(z, v0 + offset)
+            if with_mass:
+                stats.update(z, v0, destructive=True)
+            else:
+                slot, inside = _label_slot(labels[r0:r1], v0, v1 - v0)
+                zy_c = torch.where(inside, z.gather(1, slot)[:, 0], zy_c)
+        top.flush()
+        cand_v, cand_i, extra = top.vals, top.ids, top.extra
         if vp is not None:
             cand_v, cand_i, extra = _merge_ranks(vp, cand_v, cand_i, extra, cap)
-        m, s, zy_c = stats.m, stats.s, stats.zy
-        if vp is not None:  # the whole row's statistics, and the label logit from its shard
-            m, s, _, zy_c = vp.combine(m, s, None, zy_c)
-        lse[r0:r1] = m + s.log()
+        if with_mass:
+            m, s, zy_c = stats.m, stats.s, stats.zy
+            if vp is not None:  # the whole row's statistics, and the label logit from its shard
+                m, s, _, zy_c = vp.combine(m, s, None, zy_c)
+            lse[r0:r1] = m + s.log()
+        else:
+            lse[r0:r1] = float("nan")
+            if vp is not None:  # the label logit from the shard that holds it
+                dist.all_reduce(zy_c, op=dist.ReduceOp.SUM, group=vp.group)
         zy[r0:r1] = zy_c
         out_v[r0:r1], out_i[r0:r1], out_x[r0:r1] = cand_v, cand_i, extra
     return Candidates(out_v, out_i, out_x, lse, zy)
@@ -242,8 +290,7 @@ def kept_from_candidates(
         return (t > theta) | ((t == theta) & (extra == 0))
 
     k0_fits = fits(t0)
-    threshold, covered = t0, k0_fits
-    need = torch.full((rows,), cap, dtype=torch.int64, device=dev)
+    threshold, decided = t0, k0_fits | (t0 == theta)  # decided: the threshold is known
     if top_p is not None:
         n0 = (vals >= t0[:, None]).sum(1)
         in_k0 = col[None, :] < n0[:, None]
@@ -262,9 +309,12 @@ def kept_from_candidates(
         found = known & (k0_fits | (incl[:, -1] >= bound))
         truncating = top_p < 1
         threshold = torch.where(truncating, torch.maximum(t0, t_p), t0)
-        covered = torch.where(truncating, found, k0_fits)
-    # the kept set's lowest value tied beyond the candidates: their ids are unknown
-    covered = covered & fits(threshold)
+        decided = torch.where(truncating, found, decided)
+    # Covered: every token >= the threshold is a candidate. A decided row that is not covered
+    # left out only ties at its threshold (their ids are unknown): `extra` more candidates
+    # take them all in. Otherwise widen.
+    covered = decided & fits(threshold)
     count = (vals >= threshold[:, None]).sum(1)
-    need = torch.where(covered, need, torch.clamp(cap + extra, min=cap * _WIDEN))
+    need = torch.where(decided, cap + extra, cap * _WIDEN)
+    need = torch.where(covered, cap, need)
     return KeptSets(covered, threshold, count, need.clamp(max=vocab_size))
