@@ -39,6 +39,7 @@ from .fused_loss import fused_policy_loss
 from .head import linear_logprobs
 from .kernels import Backend
 from .losses import LossNormalizer, PolicyLossConfig
+from .sampling import SamplingMask
 from .types import LogProbs
 
 __all__ = ["LogprobHead", "PolicyLossHead"]
@@ -180,10 +181,14 @@ class LogprobHead(_SharedHeadWeight):
             with an ``nn.Parameter`` ``weight`` ``[V, H]`` (and optionally ``bias`` ``[V]``).
         temperature, softcap, with_entropy, ignore_index, chunk_size, head_dtype,
             vocab_parallel, backend: as in :func:`~logitless.linear_logprobs`.
+        top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
+            replay, as in :func:`~logitless.linear_logprobs` (None: not used).
 
-    Forward: ``head(hidden [..., H], labels [...], temperature=None) -> LogProbs`` of fp32
-    ``[...]`` tensors; a per-call ``temperature`` (e.g. a per-token tensor) overrides the stored
-    one.
+    Forward: ``head(hidden [..., H], labels [...], temperature=None, *, sampling_mask=None,
+    top_k=None, top_p=None, min_p=None) -> LogProbs`` of fp32 ``[...]`` tensors; a per-call
+    ``temperature`` (e.g. a per-token tensor) or sampler setting (e.g. a per-token tensor)
+    overrides the stored one; ``sampling_mask`` (the engine's kept ids) replaces the stored
+    sampler settings for that call.
 
     Raises:
         ValueError: at construction if ``source`` has no floating ``[V, H]`` weight parameter
@@ -224,9 +229,15 @@ class LogprobHead(_SharedHeadWeight):
         head_dtype: torch.dtype | None = None,
         vocab_parallel: VocabParallel | None = None,
         backend: Backend = "auto",
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        with_kept_mass: bool = False,
     ) -> None:
         super().__init__(source)
         self.backend = backend
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+        self.with_kept_mass = with_kept_mass
         self.temperature = temperature
         self.softcap = softcap
         self.with_entropy = with_entropy
@@ -240,10 +251,16 @@ class LogprobHead(_SharedHeadWeight):
         hidden: torch.Tensor,
         labels: torch.Tensor,
         temperature: float | torch.Tensor | None = None,
+        *,
+        sampling_mask: SamplingMask | torch.Tensor | None = None,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
     ) -> LogProbs:
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
         weight, bias = self._current_parameters()
         _check_full_precision(type(self).__name__, temperature=temperature)
+        replay = _replay_options(self, sampling_mask, top_k, top_p, min_p)
         out = linear_logprobs(
             hidden,
             weight,
@@ -257,10 +274,14 @@ class LogprobHead(_SharedHeadWeight):
             head_dtype=self.head_dtype,
             vocab_parallel=self.vocab_parallel,
             backend=self.backend,
+            **replay,
         )
         # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
         # output that is a view would drop it (torch warns about views). [N]-sized copies.
-        return LogProbs(*(t.clone() if t is not None and t._base is not None else t for t in out))
+        # (_replace keeps a replay result's attributes.)
+        return out._replace(
+            **{k: t.clone() for k, t in zip(out._fields, out, strict=True) if _is_view(t)}
+        )
 
     def extra_repr(self) -> str:
         vocab, dim = self.weight.shape
@@ -293,12 +314,16 @@ class PolicyLossHead(_SharedHeadWeight):
         config: the :class:`~logitless.PolicyLossConfig`.
         temperature, softcap, head_dtype, chunk_size, ignore_index, vocab_parallel, backend:
             as in :func:`~logitless.fused_policy_loss`.
+        top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
+            replay, as in :func:`~logitless.fused_policy_loss` (None: not used).
 
     Forward: ``head(hidden, labels, old_logprobs, advantages, *, document_ids=None,
-    ref_logprobs=None, rollout_logprobs=None, normalizer=None, temperature=None) -> (loss,
-    metrics)`` with ``hidden`` ``[N, H]`` or ``[B, T, H]``, the rest ``[N]`` / ``[B, T]`` (and
-    advantages per sequence or per token) as in :func:`~logitless.fused_policy_loss`; a
-    per-call ``temperature`` overrides the stored one.
+    ref_logprobs=None, rollout_logprobs=None, normalizer=None, temperature=None,
+    sampling_mask=None, top_k=None, top_p=None, min_p=None) -> (loss, metrics)`` with
+    ``hidden`` ``[N, H]`` or ``[B, T, H]``, the rest ``[N]`` / ``[B, T]`` (and advantages
+    per sequence or per token) as in :func:`~logitless.fused_policy_loss`; a per-call
+    ``temperature`` or sampler setting overrides the stored one, and a ``sampling_mask``
+    replaces the stored sampler settings for that call.
 
     Raises:
         ValueError: as :class:`LogprobHead`, and if a loss input (old / ref / rollout
@@ -334,6 +359,10 @@ class PolicyLossHead(_SharedHeadWeight):
         ignore_index: int = -100,
         vocab_parallel: VocabParallel | None = None,
         backend: Backend = "auto",
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        with_kept_mass: bool = False,
     ) -> None:
         if not isinstance(config, PolicyLossConfig):
             raise ValueError(
@@ -348,6 +377,8 @@ class PolicyLossHead(_SharedHeadWeight):
         self.ignore_index = ignore_index
         self.vocab_parallel = vocab_parallel
         self.backend = backend
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+        self.with_kept_mass = with_kept_mass
 
     def forward(
         self,
@@ -361,6 +392,10 @@ class PolicyLossHead(_SharedHeadWeight):
         rollout_logprobs: torch.Tensor | None = None,
         normalizer: LossNormalizer | None = None,
         temperature: float | torch.Tensor | None = None,
+        sampling_mask: SamplingMask | torch.Tensor | None = None,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metrics)`` of :func:`~logitless.fused_policy_loss` with this head's weight."""
         weight, bias = self._current_parameters()
@@ -371,6 +406,8 @@ class PolicyLossHead(_SharedHeadWeight):
             ref_logprobs=ref_logprobs,
             rollout_logprobs=rollout_logprobs,
             temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
             **(
                 {}
                 if not isinstance(normalizer, LossNormalizer)
@@ -399,6 +436,7 @@ class PolicyLossHead(_SharedHeadWeight):
             normalizer=normalizer,
             vocab_parallel=self.vocab_parallel,
             backend=self.backend,
+            **_replay_options(self, sampling_mask, top_k, top_p, min_p),
         )
 
     def extra_repr(self) -> str:
@@ -410,3 +448,21 @@ class PolicyLossHead(_SharedHeadWeight):
             f"ignore_index={self.ignore_index}, backend={self.backend!r}"
             + ("" if self.vocab_parallel is None else f", vocab_parallel={self.vocab_parallel}")
         )
+
+
+def _is_view(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t._base is not None
+
+
+def _replay_options(head, sampling_mask, top_k, top_p, min_p) -> dict:
+    """The replay keyword arguments of a head call: a per-call ``sampling_mask`` replaces the
+    stored sampler settings; per-call ``top_k`` / ``top_p`` / ``min_p`` override them."""
+    if sampling_mask is not None:
+        return {"sampling_mask": sampling_mask, "with_kept_mass": head.with_kept_mass}
+    sampler = {
+        "top_k": head.top_k if top_k is None else top_k,
+        "top_p": head.top_p if top_p is None else top_p,
+        "min_p": head.min_p if min_p is None else min_p,
+    }
+    replaying = any(v is not None for v in sampler.values())
+    return sampler | {"with_kept_mass": head.with_kept_mass and replaying}
