@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .._validate import check_chunk_size, check_head_args
+from .._validate_replay import check_replay_args
 from ..fused_loss import fused_policy_loss
 from ..head import linear_logprobs
 from ..kernels import Backend, resolve_backend
@@ -50,6 +51,7 @@ from ..packing import (
     next_token_labels,
     position_ids_to_document_ids,
 )
+from ..sampling import SamplingMask
 from ..types import LogProbs
 
 __all__ = [
@@ -399,8 +401,10 @@ def _prepare(
     ignore_index: int,
     backend: object,
     model_kwargs: dict[str, Any],
+    replay: dict[str, Any] | None = None,
 ) -> tuple[CausalLMHead, torch.Tensor, float | torch.Tensor, torch.dtype | None]:
-    """Every check that needs no FLOP: model, inputs, labels, head options."""
+    """Every check that needs no FLOP: model, inputs, labels, head options (and the sampling
+    replay arguments ``replay``)."""
     check_chunk_size(chunk_size)
     head = causal_lm_head(model)
     _backbone(model)
@@ -441,7 +445,7 @@ def _prepare(
     # The head op's own checks (label range, temperature, dtypes, devices) on a placeholder of
     # the hidden states' shape, so that bad input fails before the backbone runs.
     placeholder = head.weight.new_zeros(()).detach().expand(*labels.shape, head.weight.shape[1])
-    check_head_args(
+    args = check_head_args(
         placeholder,
         head.weight,
         labels,
@@ -451,8 +455,31 @@ def _prepare(
         ignore_index=ignore_index,
         head_dtype=head_dtype,
     )
+    replay = replay or {}
+    check_replay_args(args, ignore_index, vocab_size=head.weight.shape[0], **_sampler(replay))
+    if replay.get("with_kept_mass") and not any(v is not None for v in _sampler(replay).values()):
+        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     resolve_backend(backend, head.weight.device, head_dtype or head.weight.dtype)
     return head, labels, temperature, head_dtype
+
+
+def _sampler(replay: dict[str, Any]) -> dict[str, Any]:
+    """The kept-set arguments of ``replay`` (without ``with_kept_mass``)."""
+    return {k: replay.get(k) for k in ("sampling_mask", "top_k", "top_p", "min_p")}
+
+
+def _flat_replay(replay: dict[str, Any], shape: torch.Size) -> dict[str, Any]:
+    """Replay arguments for the flat ``[B * T]`` token stream of a ``[B, T]`` batch: per-token
+    tensors flattened (a CSR mask is already over the positions in row-major order)."""
+    out = dict(replay)
+    mask = replay.get("sampling_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == len(shape) + 1:
+        out["sampling_mask"] = mask.reshape(-1, mask.shape[-1])
+    for k in ("top_k", "top_p", "min_p"):
+        v = replay.get(k)
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            out[k] = v.expand(shape).reshape(-1)
+    return out
 
 
 def causal_lm_hidden_states(
@@ -509,6 +536,11 @@ def causal_lm_logprobs(
     head_dtype: torch.dtype | None = None,
     ignore_index: int = -100,
     backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of a transformers causal LM, without its logits.
@@ -536,6 +568,10 @@ def causal_lm_logprobs(
         labels: ``[B, T]`` targets aligned like the logits; default :func:`causal_lm_labels`.
         with_entropy, temperature, chunk_size, head_dtype, ignore_index, backend: as in
             :func:`logitless.linear_logprobs` (temperature: float or ``[B, T]`` tensor).
+        sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
+            :func:`logitless.linear_logprobs`, over the ``[B, T]`` label positions (a CSR mask
+            has ``B * T + 1`` offsets, row-major; padded ids are ``[B, T, K]``): the log-probs
+            of the model's logits masked to each position's kept set.
         **model_kwargs: passed to the backbone (e.g. flash-attention varlen arguments).
 
     Returns:
@@ -557,6 +593,13 @@ def causal_lm_logprobs(
     """
     if not isinstance(with_entropy, bool):
         raise ValueError(f"with_entropy must be a bool, got {with_entropy!r}")
+    replay = dict(
+        sampling_mask=sampling_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        with_kept_mass=with_kept_mass,
+    )
     head, labels, temperature, head_dtype = _prepare(
         model,
         input_ids,
@@ -571,6 +614,7 @@ def causal_lm_logprobs(
         ignore_index=ignore_index,
         backend=backend,
         model_kwargs=model_kwargs,
+        replay=replay,
     )
     hidden = causal_lm_hidden_states(
         model,
@@ -592,6 +636,7 @@ def causal_lm_logprobs(
             chunk_size=chunk_size,
             head_dtype=head_dtype,
             backend=backend,
+            **replay,
         )
 
 
@@ -661,6 +706,11 @@ def causal_lm_policy_loss(
     head_dtype: torch.dtype | None = None,
     ignore_index: int = -100,
     backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy loss of a transformers causal LM: backbone, then :func:`fused_policy_loss`.
@@ -691,6 +741,8 @@ def causal_lm_policy_loss(
             token stream; loss, metrics and gradients do not depend on the layout.
         config, ref_logprobs, rollout_logprobs, normalizer: as in
             :func:`logitless.policy_loss`.
+        sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
+            :func:`causal_lm_logprobs` and :func:`logitless.fused_policy_loss`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -713,6 +765,13 @@ def causal_lm_policy_loss(
     """
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    replay = dict(
+        sampling_mask=sampling_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        with_kept_mass=with_kept_mass,
+    )
     head, labels, temperature, head_dtype = _prepare(
         model,
         input_ids,
@@ -727,6 +786,7 @@ def causal_lm_policy_loss(
         ignore_index=ignore_index,
         backend=backend,
         model_kwargs=model_kwargs,
+        replay=replay,
     )
     document_ids = _document_ids(document_ids, attention_mask, position_ids, cu_seqlens, input_ids)
     if document_ids is not None:
@@ -741,6 +801,7 @@ def causal_lm_policy_loss(
         rollout_logprobs = flat("rollout_logprobs", rollout_logprobs)
         if isinstance(temperature, torch.Tensor):
             temperature = temperature.expand(flat.shape).reshape(-1)
+        replay = _flat_replay(replay, flat.shape)
     loss_kwargs = dict(
         config=config,
         document_ids=document_ids,
@@ -784,4 +845,5 @@ def causal_lm_policy_loss(
             ignore_index=ignore_index,
             backend=backend,
             **loss_kwargs,
+            **replay,
         )
