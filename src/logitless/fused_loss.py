@@ -141,11 +141,10 @@ def fused_policy_loss(
         top_p=top_p,
         min_p=min_p,
     )
-    if not isinstance(with_kept_mass, bool) or (with_kept_mass and replay is None):
-        raise ValueError(
-            f"with_kept_mass must be a bool, True only with sampling_mask= or top_k= / top_p= "
-            f"/ min_p=, got {with_kept_mass!r}"
-        )
+    if not isinstance(with_kept_mass, bool):
+        raise ValueError(f"with_kept_mass must be a bool, got {with_kept_mass!r}")
+    if with_kept_mass and replay is None:
+        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     if len(args.batch_shape) not in (1, 2):
         raise ValueError(
             f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "
