@@ -356,14 +356,14 @@ CASES = [
     Case("mask", softcap=3.0, temperature="scalar", shape=(3, 17), loss="ent"),
     Case("mask", with_entropy=False, loss="logp", ignore=0.0),
     Case("topk", bias=True),
-    Case("topk", temperature="tensor", chunk=5, small_tiles=True),
+    Case("topk", temperature="tensor", chunk=5, small_tiles=True, V=1003),
     Case("topk", per_row=False, softcap=2.5, shape=(2, 19)),
     Case("topp", bias=True, temperature="scalar"),
     Case("topp", small_tiles=True, chunk=11, loss="logp"),
     Case("topk_topp", bias=True, temperature="tensor", small_tiles=True),
     Case("topk_topp", per_row=False, V=1003, shape=(37,)),
     Case("minp", chunk=3),
-    Case("all", bias=True, temperature="tensor", softcap=4.0, small_tiles=True, seed=1),
+    Case("all", bias=True, temperature="tensor", softcap=4.0, small_tiles=True, V=700, seed=1),
     Case("all", shape=(4, 13), loss="ent"),
     Case("mask", dtype="bf16", shape=(29,), H=16, V=131, bias=True),
     _BF16,
@@ -400,7 +400,7 @@ def test_top_p_wider_than_the_first_candidates(few_candidates, small_tiles):
 # --------------------------------------------------------------------------------------------
 
 
-def _integer_logits(n=23, vocab=97, h=6, seed=0):
+def _integer_logits(n=23, vocab=700, h=6, seed=0):
     """Inputs whose logits are small integers, exact in fp32 in any summation order: many
     ties at every rank."""
     g = torch.Generator().manual_seed(seed)
@@ -427,7 +427,8 @@ def _integer_logits(n=23, vocab=97, h=6, seed=0):
 def test_ties_at_the_boundary_are_kept(params, tiles, request):
     """Integer logits: the k-th value (and the top-p / min-p boundary) is shared by several
     tokens, more than fit in k candidates; all of them are kept, in the op as in the
-    reference, and the results agree."""
+    reference, and the results agree. With small tiles the vocabulary spans 3 tiles, so the
+    ties are counted across the running candidates' merges."""
     if tiles:
         request.getfixturevalue("small_tiles")
     hidden, weight, labels = _integer_logits()
@@ -445,8 +446,8 @@ def test_ties_at_the_boundary_are_kept(params, tiles, request):
         valid = labels != -100
         ge = (z >= kth).sum(1)  # every token tied with the k-th value
         assert torch.equal(out.kept_size[valid], (ge + out.label_added.long())[valid])
-    torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=2e-6)
-    torch.testing.assert_close(out.entropy, ref.entropy, rtol=0, atol=2e-6)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=4e-6, atol=2e-6)
+    torch.testing.assert_close(out.entropy, ref.entropy, rtol=4e-6, atol=2e-6)
     g = torch.randn(labels.shape)
     (out.logprobs * g + out.entropy).sum().backward()
     (ref.logprobs * g + ref.entropy).sum().backward()

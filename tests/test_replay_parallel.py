@@ -36,6 +36,7 @@ class PCase:
     loss: PolicyLossConfig | None = None  # None: linear_logprobs
     few_candidates: bool = False
     integer: bool = False  # exact integer logits: ties across shards
+    shard_ties: bool = False  # the k-th value tied on rank 0's shard only, beyond its k
 
 
 CASES = [
@@ -43,6 +44,7 @@ CASES = [
     PCase("topk_topp", Case("topk_topp", bias=True, V=V, seed=1)),
     PCase("minp_topp widened", Case("all", V=V, seed=2), few_candidates=True),
     PCase("ties top_k=5", Case("topk", V=V), integer=True),
+    PCase("ties left out on one shard", Case("topk", V=V, bias=True), shard_ties=True),
     PCase("bf16 mask", Case("mask", dtype="bf16", shape=(17,), H=16, V=V, seed=3)),
     PCase(
         "fused mask",
@@ -65,6 +67,15 @@ def _problem(pc: PCase) -> dict:
         inp["hidden"] = torch.randint(-1, 2, inp["hidden"].shape, generator=g).float()
         inp["weight"] = torch.randint(-2, 3, inp["weight"].shape, generator=g).float()
         replay = {"top_k": 5}
+    elif pc.shard_ties:
+        # logits = bias: ids 1..7 share the top value 5.0 (all on rank 0's shard), the rest is
+        # lower: rank 0 keeps 4 of them as candidates and leaves 3 out, which only its own
+        # tie count tells the merge.
+        g = torch.Generator().manual_seed(8)
+        inp["weight"] = torch.zeros_like(inp["weight"])
+        inp["bias"] = torch.rand(V, generator=g) * 6 - 3
+        inp["bias"][1:8] = 5.0
+        replay = {"top_k": 4}
     else:
         replay = _replay_kwargs(pc.case, inp)
     inp.pop("gen")
