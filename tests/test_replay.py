@@ -883,3 +883,28 @@ def test_hf_against_the_models_masked_logits():
         for n, p in model.named_parameters():
             if p.grad is not None:
                 torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+# --------------------------------------------------------------------------------------------
+# The documented demonstration (examples/sampling_replay.py)
+# --------------------------------------------------------------------------------------------
+
+
+def test_example_ratio_is_biased_without_replay_and_one_with_it():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "sampling_replay.py"
+    spec = importlib.util.spec_from_file_location("sampling_replay_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.run(seed=1, vocab=512, hidden_size=32, tokens=256)
+    plain, mask, replayed = rows.values()
+    # on policy, over the whole vocabulary: log ratio = log kept mass < 0, a constant bias
+    assert plain["ratio_max"] < 1.0 and plain["log_ratio_mean"] < -0.1
+    assert plain["clipped"] > 0.1
+    for r in (mask, replayed):
+        assert abs(r["ratio_min"] - 1) < 1e-5 and abs(r["ratio_max"] - 1) < 1e-5
+        assert r["clipped"] == 0.0 and r["labels_added"] == 0
+        # the bias it removed is the kept mass the first way carried
+        assert abs(r["log_kept_mass"] - plain["log_ratio_mean"]) < 1e-4
