@@ -56,6 +56,16 @@ class Entries(NamedTuple):
         """The entries where ``keep`` [E] is True."""
         return Entries(self.rows[keep], self.ids[keep], self.z[keep], self.is_label[keep])
 
+    def compact(self) -> Entries:
+        """The same entries with int32 rows and ids (half the memory of the index lists that
+        live from forward to backward); the index ops take either."""
+        small = (
+            max(self.rows.numel(), 1) < 2**31 and self.ids.numel() and int(self.ids.max()) < 2**31
+        )
+        if not small:
+            return self
+        return self._replace(rows=self.rows.int(), ids=self.ids.int())
+
 
 def _chunks(num: int, dim: int) -> list[tuple[int, int]]:
     step = max(1, _GATHER_ELEMS // max(1, dim))
@@ -117,7 +127,7 @@ def kept_stats(
     dev = entries.z.device
     z, rows = entries.z, entries.rows
     m = torch.full((num_rows,), float("-inf"), device=dev)
-    m.scatter_reduce_(0, rows, z, "amax", include_self=True)
+    m.scatter_reduce_(0, rows.long(), z, "amax", include_self=True)
     if vp is not None:
         m = torch.where(torch.isfinite(m), m, _NO_ENTRY)
     d = z - m.index_select(0, rows)  # <= 0
@@ -146,34 +156,39 @@ class KeptGrads:
         self.need_b = need_b and bias is not None
         self.dw, self.db = dw, db
 
-    def add(self, hidden, weight, entries: Entries, dz: torch.Tensor, hd: torch.dtype) -> None:
-        """Add entry gradients ``dz`` [E] (d loss / d raw logit) of ``entries`` (local ids)."""
+    def add(self, hidden, weight, entries: Entries, grad_of, hd: torch.dtype) -> None:
+        """Add the gradients of ``entries`` (local ids), chunk by chunk: ``grad_of(chunk)``
+        gives d loss / d raw logit [e] of a chunk of entries, so no [E]-sized temporary lives
+        beside the weight gradient."""
         rows, ids = entries.rows, entries.ids
         num, dim = ids.numel(), hidden.shape[1]
-        if self.dh is not None:
-            for s, e in _chunks(num, dim):
-                w = _rows_in(weight, ids[s:e], hd).mul_(dz[s:e, None])
-                self.dh.index_add_(0, rows[s:e], w)
+        dev = hidden.device
+        fp32 = self.weight.dtype == torch.float32
+        target = slot = uniq = None
         if self.need_w:
-            fp32 = self.weight.dtype == torch.float32
             if fp32:
                 if self.dw is None:
                     self.dw = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
                 target, slot = self.dw, ids
             else:
-                uniq, slot = torch.unique(ids, return_inverse=True)
-                target = torch.zeros(uniq.numel(), dim, device=hidden.device)
-            for s, e in _chunks(num, dim):
-                target.index_add_(0, slot[s:e], _rows_in(hidden, rows[s:e], hd).mul_(dz[s:e, None]))
-            if not fp32:
-                if self.dw is None:
-                    self.dw = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
-                self.dw[uniq] = (self.dw[uniq].float() + target).to(self.dw.dtype)
-        if self.need_b:
-            if self.db is None:
-                self.db = torch.zeros_like(self.bias)
-            acc = torch.zeros(self.bias.shape, device=hidden.device).index_add_(0, ids, dz)
-            self.db.copy_((self.db.float() + acc).to(self.db.dtype))
+                uniq, slot = torch.unique(ids.long(), return_inverse=True)
+                target = torch.zeros(uniq.numel(), dim, device=dev)
+        db = torch.zeros(self.bias.shape, device=dev) if self.need_b else None
+        for s, e in _chunks(num, dim):
+            dz = grad_of(Entries(rows[s:e], ids[s:e], entries.z[s:e], entries.is_label[s:e]))
+            if self.dh is not None:
+                w = _rows_in(weight, ids[s:e], hd).mul_(dz[:, None])
+                self.dh.index_add_(0, rows[s:e], w)
+            if target is not None:
+                target.index_add_(0, slot[s:e], _rows_in(hidden, rows[s:e], hd).mul_(dz[:, None]))
+            if db is not None:
+                db.index_add_(0, ids[s:e], dz)
+        if target is not None and not fp32:
+            if self.dw is None:
+                self.dw = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
+            self.dw[uniq] = (self.dw[uniq].float() + target).to(self.dw.dtype)
+        if db is not None:
+            self.db = db.to(self.bias.dtype) if self.db is None else (self.db.float() + db)
 
 
 def entry_grads(
@@ -185,7 +200,8 @@ def entry_grads(
     temp: torch.Tensor | None,
     opts: HeadOptions,
 ) -> torch.Tensor:
-    """d loss / d raw logit of each entry, fp32 [E] (see the module docstring).
+    """d loss / d raw logit of each entry (of a chunk of them), fp32 [E] (see the module
+    docstring).
 
     lse, ent, grad_logp, grad_ent: per row [R]; temp: [R] or None.
     """

@@ -275,7 +275,7 @@ def _replayed_entries(
     entries = Entries(*(torch.cat(t) for t in zip(*parts, strict=True)))
     entries, added = _with_labels(entries, labels, zy, num_rows)
     size = torch.zeros(num_rows, dtype=torch.int64, device=dev)
-    size.index_add_(0, entries.rows, torch.ones_like(entries.rows))
+    size.index_add_(0, entries.rows, torch.ones_like(entries.rows, dtype=torch.int64))
     return entries, added, size, lse_full if with_mass else None
 
 
@@ -335,6 +335,7 @@ def replay_forward(
                 ids, off, _ = _csr_rows(ids, off, trunc)
             entries, add_t, size_t = _mask_entries(h_t, weight, bias, y_t, temp_t, opts, ids, off)
             lp, t_lse, t_ent = kept_stats(entries, n_t, opts.with_entropy, vp)
+            entries = entries.compact()
             lse_full = None
             if with_kept_mass:
                 sub = replace(_sub_options(opts, n_t, vocab, dev), with_entropy=False)
@@ -354,7 +355,7 @@ def replay_forward(
                 h_t, weight, bias, y_t, yk_t, temp_t, sub, spec_t, with_kept_mass
             )
             lp, t_lse, t_ent = kept_stats(glob, n_t, opts.with_entropy)
-            entries = _local(glob, vp)
+            entries = _local(glob, vp).compact()
         _put(logp, trunc, lp)
         _put(ent, trunc, t_ent)
         _put(added, trunc, add_t)
@@ -426,17 +427,13 @@ def replay_backward(
     if plan.has_trunc:
         trunc = plan.trunc
         h_t = _take(hidden, trunc)
-        dz = entry_grads(
-            plan.entries,
-            plan.trunc_lse,
-            plan.trunc_ent,
-            _take(grad_logp, trunc),
-            _take(grad_ent, trunc),
-            _take(temp, trunc),
-            opts,
-        )
+        g_t, e_t, temp_t = _take(grad_logp, trunc), _take(grad_ent, trunc), _take(temp, trunc)
+
+        def grad_of(chunk: Entries) -> torch.Tensor:
+            return entry_grads(chunk, plan.trunc_lse, plan.trunc_ent, g_t, e_t, temp_t, opts)
+
         acc = KeptGrads(h_t, weight, bias, needs, dw=dw, db=db)
-        acc.add(h_t, weight, plan.entries, dz, opts.head_dtype)
+        acc.add(h_t, weight, plan.entries, grad_of, opts.head_dtype)
         if acc.dh is not None:
             if vp is not None:
                 vp.reduce_hidden(acc.dh)
