@@ -211,12 +211,90 @@ def _mask_entries(hidden, weight, bias, labels, temp, opts, ids, offsets):
     return local._replace(z=z), added, counts + added.long()
 
 
-def _replayed_entries(
-    hidden, weight, bias, labels, labels_k, temp, opts, spec: RowReplay, with_kept_mass: bool
-):
-    """Kept entries of the replayed rows (global ids, logits from the candidate pass).
+# Rows of candidates turned into kept entries at once (bounds the selection's work tensors).
+_SELECT_ROWS = 256
 
-    Returns (entries, label_added [R], kept_size [R], full-row lse [R] or None)."""
+
+def _prefix_stats(vals, count, zy, added, with_entropy):
+    """logp, lse, entropy [R] over each row's kept prefix ``vals[:, :count]`` (sorted,
+    decreasing) plus, where ``added``, the label logit ``zy``."""
+    cap = vals.shape[1]
+    top = vals[:, 0]
+    in_k = torch.arange(cap, device=vals.device)[None, :] < count[:, None]
+    d = torch.where(in_k, vals - top[:, None], 0.0)  # <= 0 in the kept prefix
+    e = torch.where(in_k, d.exp(), 0.0)
+    dy = zy - top
+    ey = torch.where(added, dy.exp(), 0.0)
+    s = e.sum(1) + ey
+    lse = top + s.log()
+    ent = None
+    if with_entropy:
+        q = (e * d).sum(1) + ey * dy
+        ent = s.log() - q / s
+    return zy - lse, lse, ent
+
+
+def _select_entries(cand, count, labels, rows, vp) -> tuple[Entries, torch.Tensor]:
+    """This rank's kept entries of a pass's covered rows (int32 rows / local ids), and which
+    rows lacked their label (it is appended as an entry).
+
+    cand: the pass's candidates of R rows; count: [R] kept prefix (0 for rows not covered);
+    labels: [R] global; rows: [R] the call's row index of each. Works on blocks of rows
+    written into preallocated arrays, so no [E]-sized temporary is made beside the result."""
+    dev = cand.vals.device
+    n, cap = cand.vals.shape
+    col = torch.arange(cap, device=dev)[None, :]
+    lo, hi = (0, None) if vp is None else (vp.vocab_start, vp.vocab_end)
+
+    def block(r0, r1):
+        ids = cand.ids[r0:r1]
+        keep = col < count[r0:r1, None]
+        label = (ids == labels[r0:r1, None]) & keep
+        if vp is not None:
+            keep = keep & (ids >= lo) & (ids < hi)
+        return ids, keep, label
+
+    added = torch.zeros(n, dtype=torch.bool, device=dev)
+    blocks = [(r0, min(n, r0 + _SELECT_ROWS)) for r0 in range(0, n, _SELECT_ROWS)]
+    num = 0
+    for r0, r1 in blocks:
+        _, keep, label = block(r0, r1)
+        added[r0:r1] = (count[r0:r1] > 0) & ~label.any(1)
+        num += int(keep.sum())
+    ra = torch.nonzero(added).squeeze(1)  # labels outside their kept set become entries
+    ya = labels.index_select(0, ra)
+    if vp is not None:  # ... of the rank that holds them
+        mine = (ya >= lo) & (ya < hi)
+        ra, ya = ra[mine], ya[mine]
+    total = num + ra.numel()
+    out = Entries(
+        torch.empty(total, dtype=torch.int32, device=dev),
+        torch.empty(total, dtype=torch.int32, device=dev),
+        torch.empty(total, device=dev),
+        torch.empty(total, dtype=torch.bool, device=dev),
+    )
+    at = 0
+    for r0, r1 in blocks:
+        ids, keep, label = block(r0, r1)
+        k = int(keep.sum())
+        out.rows[at : at + k] = torch.repeat_interleave(rows[r0:r1], keep.sum(1))
+        out.ids[at : at + k] = ids[keep] - lo
+        out.z[at : at + k] = cand.vals[r0:r1][keep]
+        out.is_label[at : at + k] = label[keep]
+        at += k
+    out.rows[at:] = rows.index_select(0, ra)
+    out.ids[at:] = ya - lo
+    out.z[at:] = cand.zy.index_select(0, ra)
+    out.is_label[at:] = True
+    return out, added
+
+
+def _replayed_rows(hidden, weight, bias, labels, labels_k, temp, opts, spec: RowReplay, mass: bool):
+    """Replay the sampler on R rows: their statistics over the kept sets and this rank's
+    kept entries (int32 rows / local ids) for backward.
+
+    Returns (entries, logp, lse, entropy or None, label_added, kept_size, full-row lse or
+    None)."""
     num_rows, dev = hidden.shape[0], hidden.device
     vocab = spec.vocab_size
     # Candidates: the largest binding top-k, or a first guess for rows cut by top-p / min-p only
@@ -232,51 +310,57 @@ def _replayed_entries(
     cap = min(cap, vocab)
     # The whole row's log-sum-exp: for the kept-mass report, and for a top-p that no top-k
     # bounds (it renormalizes over the whole row); otherwise the pass skips it.
-    with_mass = with_kept_mass or (
-        spec.top_p is not None and bool((unbound & (spec.top_p < 1)).any())
-    )
-    parts: list[Entries] = []
+    with_mass = mass or (spec.top_p is not None and bool((unbound & (spec.top_p < 1)).any()))
+    logp = torch.empty(num_rows, device=dev)
+    lse = torch.empty(num_rows, device=dev)
+    ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
+    added = torch.zeros(num_rows, dtype=torch.bool, device=dev)
+    size = torch.zeros(num_rows, dtype=torch.int64, device=dev)
     lse_full = torch.empty(num_rows, device=dev)
-    zy = torch.empty(num_rows, device=dev)
-    pending = torch.arange(num_rows, device=dev)
-    while pending.numel():
-        whole = pending.numel() == num_rows
+    parts: list[Entries] = []
+    pending = None  # None: every row
+    while True:
         cand = stream_candidates(
-            hidden if whole else hidden.index_select(0, pending),
+            _take(hidden, pending),
             weight,
             bias,
-            labels_k if whole else labels_k.index_select(0, pending),
-            None if temp is None else _take(temp, None if whole else pending),
+            _take(labels_k, pending),
+            _take(temp, pending),
             opts,
             cap,
             with_mass,
         )
         sets = kept_from_candidates(
             cand,
-            _take(spec.top_k, None if whole else pending),
-            _take(spec.top_p, None if whole else pending),
-            _take(spec.min_p, None if whole else pending),
+            _take(spec.top_k, pending),
+            _take(spec.top_p, pending),
+            _take(spec.min_p, pending),
             vocab,
         )
+        rows = torch.arange(num_rows, device=dev) if pending is None else pending
+        count = torch.where(sets.covered, sets.count, 0)
+        y = _take(labels, pending)
+        part, add = _select_entries(cand, count, y, rows, opts.vocab_parallel)
+        parts.append(part)
         done = torch.nonzero(sets.covered).squeeze(1)
-        keep = torch.arange(cand.vals.shape[1], device=dev)[None, :] < sets.count[:, None]
-        keep &= sets.covered[:, None]
-        r, c = torch.nonzero(keep, as_tuple=True)
-        parts.append(
-            Entries(pending[r], cand.ids[r, c], cand.vals[r, c], torch.zeros_like(r, dtype=bool))
+        lp, ls, en = _prefix_stats(
+            cand.vals[done], count[done], cand.zy[done], add[done], opts.with_entropy
         )
-        lse_full[pending[done]] = cand.lse[done]
-        zy[pending[done]] = cand.zy[done]
+        at = rows[done]
+        logp[at], lse[at], added[at] = lp, ls, add[done]
+        size[at] = count[done] + add[done].long()
+        lse_full[at] = cand.lse[done]
+        if ent is not None:
+            ent[at] = en
         left = ~sets.covered
         if not bool(left.any()):
             break
         cap = min(vocab, int(sets.need[left].max()))
-        pending = pending[left]
-    entries = Entries(*(torch.cat(t) for t in zip(*parts, strict=True)))
-    entries, added = _with_labels(entries, labels, zy, num_rows)
-    size = torch.zeros(num_rows, dtype=torch.int64, device=dev)
-    size.index_add_(0, entries.rows, torch.ones_like(entries.rows, dtype=torch.int64))
-    return entries, added, size, lse_full if with_mass else None
+        pending = rows[left]
+    entries = (
+        parts[0] if len(parts) == 1 else Entries(*(torch.cat(t) for t in zip(*parts, strict=True)))
+    )
+    return entries, logp, lse, ent, added, size, lse_full if with_mass else None
 
 
 def replay_forward(
@@ -351,11 +435,9 @@ def replay_forward(
                 top_p=_take(spec.top_p, trunc),
                 min_p=_take(spec.min_p, trunc),
             )
-            glob, add_t, size_t, lse_full = _replayed_entries(
+            entries, lp, t_lse, t_ent, add_t, size_t, lse_full = _replayed_rows(
                 h_t, weight, bias, y_t, yk_t, temp_t, sub, spec_t, with_kept_mass
             )
-            lp, t_lse, t_ent = kept_stats(glob, n_t, opts.with_entropy)
-            entries = _local(glob, vp).compact()
         _put(logp, trunc, lp)
         _put(ent, trunc, t_ent)
         _put(added, trunc, add_t)

@@ -40,8 +40,11 @@ from ..distributed import VocabParallel
 from .options import HeadOptions, Schedule
 from .tiles import _label_slot, _OnlineStats, _project, _weight_block
 
-# Candidate values + ids of one row chunk: at most this many [rows, C] entries at once.
-_CANDIDATE_ELEMS = 1 << 22
+# Candidate values + ids of one row chunk: at most this many [rows, C] entries at once (per
+# rank of a vocab-parallel group: the merge gathers every rank's).
+_CANDIDATE_ELEMS = 1 << 20
+# Work tensors of one candidate merge ([rows, C + new] values and ids): at most this many.
+_MERGE_ELEMS = 1 << 18
 # Candidate count for rows truncated by top-p / min-p only, before any widening.
 DEFAULT_CANDIDATES = 1024
 _WIDEN = 4  # a row whose kept set does not fit is streamed again with this many times C
@@ -51,7 +54,7 @@ class Candidates(NamedTuple):
     """The C largest logits of R rows, and the online statistics of the whole row.
 
     vals: [R, C] fp32 sorted in decreasing order (-inf padding when a row has fewer tokens);
-    ids: [R, C] int64 global ids (-1 padding); extra: [R] int64 tokens equal to
+    ids: [R, C] int32 global ids (-1 padding); extra: [R] int64 tokens equal to
     ``vals[:, -1]`` that are not among the candidates; lse: [R] log-sum-exp of the whole row;
     zy: [R] the label logit.
     """
@@ -88,64 +91,100 @@ class _RunningTopK:
     """The C largest logits seen so far of R rows, and the count of ties left out.
 
     ``sparse`` (CPU): once a row holds C candidates, only tile logits at or above its C-th
-    value can still enter; they are picked with ``nonzero`` (a host read, free on CPU) into a
-    per-row buffer of width ``C / 2``, merged into the candidates only when the buffer is
-    full. Until the next merge the filter uses a stale (lower) C-th value, so it picks a
-    superset of what matters; nothing is lost. Otherwise (accelerators: no host sync) each
-    tile's own top ``min(C, Vb)`` are merged at once.
+    value can still enter; after the first tiles they are few, and they are picked with
+    ``nonzero`` (a host read, free on CPU) into a per-row buffer of width ``C / 2``, merged
+    into the candidates only when the buffer is full. Until the next merge the filter uses a
+    stale (lower) C-th value, so it picks a superset of what matters; nothing is lost.
+    Otherwise (accelerators: no host sync; or a tile where many logits pass the filter) the
+    tile's own top ``min(C, Vb)`` are merged at once. Merges run on blocks of rows, so their
+    ``[rows, C + new]`` work tensors stay within ``_MERGE_ELEMS`` elements.
     """
 
-    def __init__(self, rows: int, cap: int, device: torch.device, sparse: bool) -> None:
+    def __init__(self, vals: torch.Tensor, ids: torch.Tensor, extra: torch.Tensor, sparse: bool):
+        """``vals`` [R, C] fp32, ``ids`` [R, C] int32, ``extra`` [R] int64: storage the
+        running candidates are kept in (filled here)."""
+        rows, cap = vals.shape
+        device = vals.device
         self.cap, self.sparse = cap, sparse
-        self.vals = torch.full((rows, cap), float("-inf"), device=device)
-        self.ids = torch.full((rows, cap), -1, dtype=torch.int64, device=device)
-        self.extra = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.vals, self.ids, self.extra = vals.fill_(float("-inf")), ids.fill_(-1), extra.zero_()
         self.width = max(64, cap // 2)
         self.buf_v = torch.full((rows, self.width), float("-inf"), device=device)
-        self.buf_i = torch.full((rows, self.width), -1, dtype=torch.int64, device=device)
+        self.buf_i = torch.full((rows, self.width), -1, dtype=torch.int32, device=device)
         self.fill = torch.zeros(rows, dtype=torch.int64, device=device)
         self.full = False  # every row holds C finite candidates
 
     def _merge(self, new_v, new_i, new_eq) -> None:
-        self.vals, self.ids, self.extra = _merge(
-            self.vals, self.ids, self.extra, new_v, new_i, new_eq, self.cap
-        )
+        """Merge ``new_v`` / ``new_i`` [R, n] (``new_eq(theta, r0, r1)``: the new tokens of
+        rows r0:r1 equal to ``theta``) into the candidates, block of rows by block."""
+        rows = self.vals.shape[0]
+        step = max(1, _MERGE_ELEMS // (self.cap + new_v.shape[1]))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            vals, ids, extra = _merge(
+                self.vals[r0:r1],
+                self.ids[r0:r1],
+                self.extra[r0:r1],
+                new_v[r0:r1],
+                new_i[r0:r1],
+                lambda t, r0=r0, r1=r1: new_eq(t, r0, r1),
+                self.cap,
+            )
+            self.vals[r0:r1], self.ids[r0:r1], self.extra[r0:r1] = vals, ids, extra
 
     def flush(self) -> None:
         """Merge the buffered logits into the candidates."""
         if not self.sparse or not bool((self.fill > 0).any()):
             return
         buf_v = self.buf_v
-        self._merge(buf_v, self.buf_i, lambda t: _count_eq(buf_v, t))
-        self.buf_v = torch.full_like(buf_v, float("-inf"))
+        self._merge(buf_v, self.buf_i, lambda t, r0, r1: _count_eq(buf_v[r0:r1], t))
+        self.buf_v.fill_(float("-inf"))
         self.buf_i.fill_(-1)
         self.fill.zero_()
+
+    def _fold_dense(self, z: torch.Tensor, v0: int) -> None:
+        """Merge the tile's own top ``min(C, Vb)`` (block of rows by block)."""
+        rows, width = z.shape
+        k = min(self.cap, width)
+        step = max(1, _MERGE_ELEMS // max(width, self.cap + k))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            zb = z[r0:r1]
+            new_v, pos = zb.topk(k, dim=1)
+            vals, ids, extra = _merge(
+                self.vals[r0:r1],
+                self.ids[r0:r1],
+                self.extra[r0:r1],
+                new_v,
+                (pos + v0).int(),
+                lambda t, zb=zb: _count_eq(zb, t),
+                self.cap,
+            )
+            self.vals[r0:r1], self.ids[r0:r1], self.extra[r0:r1] = vals, ids, extra
+        self.full = self.sparse and bool(torch.isfinite(self.vals[:, -1]).all())
 
     def fold(self, z: torch.Tensor, v0: int) -> None:
         """Fold tile ``z`` [R, Vb] (global vocabulary columns v0...)."""
         rows, width = z.shape
         if not self.sparse or not self.full:
-            new_v, pos = z.topk(min(self.cap, width), dim=1)
-            self._merge(new_v, pos + v0, lambda t: _count_eq(z, t))
-            self.full = self.sparse and bool(torch.isfinite(self.vals[:, -1]).all())
+            self._fold_dense(z, v0)
             return
-        r, c = (z >= self.vals[:, -1:]).nonzero(as_tuple=True)
-        if not r.numel():
+        above = z >= self.vals[:, -1:]
+        num = int(above.count_nonzero())
+        if num == 0:
             return
+        if num * 8 > rows * width:  # a heavy tile: the dense merge costs less
+            self._fold_dense(z, v0)
+            return
+        r, c = above.nonzero(as_tuple=True)
         counts = torch.bincount(r, minlength=rows)
-        most = int(counts.max())
+        if int(counts.max()) > self.width:  # more than a buffer's worth in one row
+            self._fold_dense(z, v0)
+            return
         if int((self.fill + counts).max()) > self.width:
             self.flush()
         start = counts.cumsum(0) - counts
-        slot = torch.arange(r.numel(), device=z.device) - start[r]
-        if most > self.width:  # more than a buffer's worth at once: merge them directly
-            new_v = z.new_full((rows, most), float("-inf"))
-            new_i = torch.full((rows, most), -1, dtype=torch.int64, device=z.device)
-            new_v[r, slot], new_i[r, slot] = z[r, c], c + v0
-            self._merge(new_v, new_i, lambda t: _count_eq(new_v, t))
-            return
-        slot += self.fill[r]
-        self.buf_v[r, slot], self.buf_i[r, slot] = z[r, c], c + v0
+        slot = torch.arange(r.numel(), device=z.device) - start[r] + self.fill[r]
+        self.buf_v[r, slot], self.buf_i[r, slot] = z[r, c], (c + v0).int()
         self.fill += counts
 
 
@@ -194,12 +233,13 @@ def stream_candidates(
     dev = hidden.device
     offset = 0 if vp is None else vp.vocab_start
     sched_vocab = vocab if vp is None else vp.max_shard
-    rows_per = max(1, min(opts.schedule.rows, _CANDIDATE_ELEMS // cap, num_rows))
+    world = 1 if vp is None else vp.world_size
+    rows_per = max(1, min(opts.schedule.rows, _CANDIDATE_ELEMS // (cap * world), num_rows))
     sched = Schedule.choose(num_rows, sched_vocab, dev, rows_per)
     sparse = dev.type == "cpu"
     h_all = hidden.to(opts.head_dtype)
     out_v = torch.empty(num_rows, cap, device=dev)
-    out_i = torch.empty(num_rows, cap, dtype=torch.int64, device=dev)
+    out_i = torch.empty(num_rows, cap, dtype=torch.int32, device=dev)
     out_x = torch.empty(num_rows, dtype=torch.int64, device=dev)
     lse = torch.empty(num_rows, device=dev)
     zy = torch.empty(num_rows, device=dev)
@@ -207,7 +247,7 @@ def stream_candidates(
     for r0, r1 in sched.row_chunks(num_rows):
         n = r1 - r0
         t_rows = None if temp is None else temp[r0:r1]
-        top = _RunningTopK(n, cap, dev, sparse)
+        top = _RunningTopK(out_v[r0:r1], out_i[r0:r1], out_x[r0:r1], sparse)
         stats = _OnlineStats(labels[r0:r1], with_entropy=False)
         zy_c = torch.zeros(n, device=dev)
         for v0, v1 in sched.vocab_blocks(vocab):
@@ -221,9 +261,9 @@ def stream_candidates(
                 slot, inside = _label_slot(labels[r0:r1], v0, v1 - v0)
                 zy_c = torch.where(inside, z.gather(1, slot)[:, 0], zy_c)
         top.flush()
-        cand_v, cand_i, extra = top.vals, top.ids, top.extra
         if vp is not None:
-            cand_v, cand_i, extra = _merge_ranks(vp, cand_v, cand_i, extra, cap)
+            merged = _merge_ranks(vp, top.vals, top.ids, top.extra, cap)
+            out_v[r0:r1], out_i[r0:r1], out_x[r0:r1] = merged
         if with_mass:
             m, s, zy_c = stats.m, stats.s, stats.zy
             if vp is not None:  # the whole row's statistics, and the label logit from its shard
@@ -234,7 +274,6 @@ def stream_candidates(
             if vp is not None:  # the label logit from the shard that holds it
                 dist.all_reduce(zy_c, op=dist.ReduceOp.SUM, group=vp.group)
         zy[r0:r1] = zy_c
-        out_v[r0:r1], out_i[r0:r1], out_x[r0:r1] = cand_v, cand_i, extra
     return Candidates(out_v, out_i, out_x, lse, zy)
 
 
