@@ -169,19 +169,16 @@ def _local(entries: Entries, vp: VocabParallel | None) -> Entries:
     return e._replace(ids=e.ids - vp.vocab_start)
 
 
-def _with_labels(entries: Entries, labels: torch.Tensor, label_z, num_rows: int):
-    """Mark each row's label entry and append the label where the kept set lacks it.
-
-    ``label_z``: [R] the label logits when known (replay), or a callable giving the logits of
-    (rows, ids) entries (mask). Returns (entries, label_added [R] bool).
-    """
+def _with_labels(entries: Entries, labels: torch.Tensor, num_rows: int):
+    """Mark each row's label entry and append the label where the kept set lacks it (its
+    logit left NaN, to be computed with the others). Returns (entries, label_added [R])."""
     is_label = entries.ids == labels.index_select(0, entries.rows)
     has = torch.zeros(num_rows, dtype=torch.int64, device=labels.device)
     has.index_add_(0, entries.rows, is_label.long())
     added = has == 0
     rows_a = torch.nonzero(added).squeeze(1)
     ids_a = labels.index_select(0, rows_a)
-    z_a = label_z(rows_a, ids_a) if callable(label_z) else label_z.index_select(0, rows_a)
+    z_a = torch.full((rows_a.numel(),), float("nan"), device=labels.device)
     merged = Entries(
         torch.cat([entries.rows, rows_a]),
         torch.cat([entries.ids, ids_a]),
@@ -201,11 +198,7 @@ def _mask_entries(hidden, weight, bias, labels, temp, opts, ids, offsets):
     rows = torch.repeat_interleave(torch.arange(num_rows, device=ids.device), counts)
     nan = torch.full((ids.numel(),), float("nan"), device=ids.device)
     entries = Entries(rows, ids, nan, torch.zeros_like(ids, dtype=torch.bool))
-
-    def no_logits(r, i):
-        return torch.full((r.numel(),), float("nan"), device=ids.device)
-
-    entries, added = _with_labels(entries, labels, no_logits, num_rows)
+    entries, added = _with_labels(entries, labels, num_rows)
     local = _local(entries, vp)
     z = entry_logits(hidden, weight, bias, local.rows, local.ids, temp, opts)
     return local._replace(z=z), added, counts + added.long()
