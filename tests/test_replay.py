@@ -908,3 +908,15 @@ def test_example_ratio_is_biased_without_replay_and_one_with_it():
         assert r["clipped"] == 0.0 and r["labels_added"] == 0
         # the bias it removed is the kept mass the first way carried
         assert abs(r["log_kept_mass"] - plain["log_ratio_mean"]) < 1e-4
+
+
+def test_docs_examples_run():
+    """The python blocks of docs/sampling-replay.md run as written."""
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "sampling-replay.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"sampling-replay.md[{i}]", "exec"), {})

@@ -56,9 +56,8 @@ class RowReplay:
         """[M] bool: the row has a kept set smaller than the vocabulary (as far as stated)."""
         if self.mask_offsets is not None:
             return self.mask_offsets[1:] > self.mask_offsets[:-1]
-        n = next(t for t in (self.top_k, self.top_p, self.min_p) if t is not None).numel()
-        dev = next(t for t in (self.top_k, self.top_p, self.min_p) if t is not None).device
-        out = torch.zeros(n, dtype=torch.bool, device=dev)
+        given = next(t for t in (self.top_k, self.top_p, self.min_p) if t is not None)
+        out = torch.zeros(given.numel(), dtype=torch.bool, device=given.device)
         if self.top_k is not None:
             out |= self.top_k < self.vocab_size
         if self.top_p is not None:
@@ -88,14 +87,11 @@ def restrict(replay: ReplayArgs, rows: Rows) -> RowReplay:
             ids, off, _ = _csr_rows(ids, off, idx)
         return RowReplay(replay.vocab_size, mask_ids=ids, mask_offsets=off)
 
-    def pick(t):
-        return None if t is None or idx is None else t.index_select(0, idx)
-
     return RowReplay(
         replay.vocab_size,
-        top_k=pick(replay.top_k) if idx is not None else replay.top_k,
-        top_p=pick(replay.top_p) if idx is not None else replay.top_p,
-        min_p=pick(replay.min_p) if idx is not None else replay.min_p,
+        top_k=_take(replay.top_k, idx),
+        top_p=_take(replay.top_p, idx),
+        min_p=_take(replay.min_p, idx),
     )
 
 
