@@ -455,6 +455,19 @@ def test_ties_at_the_boundary_are_kept(params, tiles, request):
     torch.testing.assert_close(w.grad, w2.grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("params", [{"top_k": 5}, {"top_k": 20, "top_p": 0.5}, {"top_p": 0.3}])
+def test_accelerator_schedule_without_host_filter(params, monkeypatch, small_tiles):
+    """The merge-every-tile schedule used on accelerators (no host read per tile), on CPU."""
+    monkeypatch.setattr(topk_stream, "_host_filter", lambda device: False)
+    hidden, weight, labels = _integer_logits()
+    out = logitless.linear_logprobs(hidden, weight, labels, with_entropy=True, **params)
+    ref = reference.linear_logprobs(hidden, weight, labels, with_entropy=True, **params)
+    assert torch.equal(out.kept_size, ref.kept_size)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=4e-6, atol=2e-6)
+    if params == {"top_k": 5}:  # and gradients, on random logits
+        check_case(Case("all", bias=True, small_tiles=True, V=700, seed=4))
+
+
 def test_reference_kept_set_matches_vllm_semantics():
     """``reference.kept_set`` against the sampler's algorithm written the way vLLM writes it
     (ascending sort, top-k by the k-th value, top-p by the ascending cumulative sum, the last

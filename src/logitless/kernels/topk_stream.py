@@ -188,6 +188,12 @@ class _RunningTopK:
         self.fill += counts
 
 
+def _host_filter(device: torch.device) -> bool:
+    """Whether the candidate filter may read a count per tile on the host (free on CPU; on an
+    accelerator it would be a synchronization per tile, so every tile is merged instead)."""
+    return device.type == "cpu"
+
+
 def _gather_ranks(vp: VocabParallel, t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(vp.world_size)]
     dist.all_gather(out, t.contiguous(), group=vp.group)
@@ -236,7 +242,7 @@ def stream_candidates(
     world = 1 if vp is None else vp.world_size
     rows_per = max(1, min(opts.schedule.rows, _CANDIDATE_ELEMS // (cap * world), num_rows))
     sched = Schedule.choose(num_rows, sched_vocab, dev, rows_per)
-    sparse = dev.type == "cpu"
+    sparse = _host_filter(dev)
     h_all = hidden.to(opts.head_dtype)
     out_v = torch.empty(num_rows, cap, device=dev)
     out_i = torch.empty(num_rows, cap, dtype=torch.int32, device=dev)
