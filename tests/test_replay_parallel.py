@@ -119,7 +119,7 @@ def _run(pc: PCase, prob: dict, rows=slice(None), vp=None, dtype=None) -> dict:
             with_kept_mass=True, **kw,
         )  # fmt: skip
         (loss * 0.5).backward()
-        res = {"loss": loss} | dict(metrics)
+        res = dict(metrics) | {"loss": loss}
     res |= {"hidden": h.grad, "weight": w.grad}
     if b is not None:
         res["bias"] = b.grad
@@ -231,6 +231,51 @@ def _errors(vp: VocabParallel, rank: int) -> dict:
     return msgs
 
 
+# --- context parallelism: the fused loss with replay on a packed stream split over 2 ranks ---
+
+CP_DOCS = [0] * 7 + [1] * 9 + [-1] * 2 + [2] * 4 + [-1] * 2  # doc 1 spans the split point
+
+
+def _cp_stream() -> dict:
+    g = torch.Generator().manual_seed(21)
+    n, h = len(CP_DOCS), 16
+    doc = torch.tensor(CP_DOCS)
+    labels = logitless.next_token_labels(torch.randint(0, V, (n,), generator=g), document_ids=doc)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(V, h, generator=g) * 0.5
+    with torch.no_grad():
+        cur = logitless.linear_logprobs(hidden, weight, labels, top_k=8).logprobs
+    old = torch.where(labels != -100, cur + 0.2 * torch.randn(n, generator=g), 0.0)
+    top_k = torch.randint(3, 12, (n,), generator=g)
+    adv = torch.randn(3, generator=g)
+    return dict(doc=doc, labels=labels, hidden=hidden, weight=weight, old=old, top_k=top_k, adv=adv)
+
+
+CP_CONFIG = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, aggregation="seq_mean_token_mean")
+
+
+def _cp_run(s: dict, group=None) -> dict:
+    h = s["hidden"].clone().requires_grad_()
+    w = s["weight"].clone().requires_grad_()
+    loss, metrics = logitless.fused_policy_loss(
+        h, w, s["labels"], s["old"], s["adv"], config=CP_CONFIG, document_ids=s["doc"],
+        ref_logprobs=s["old"], top_k=s["top_k"], top_p=0.9, with_kept_mass=True,
+        context_group=group,
+    )  # fmt: skip
+    loss.backward()
+    # (after the metrics: metrics["loss"] is the group's loss, this rank's share is `loss`)
+    return dict(metrics) | {"loss": loss.detach(), "hidden": h.grad, "weight": w.grad}
+
+
+def _cp_shard(s: dict, rank: int) -> dict:
+    from logitless import packing
+
+    out = {k: s[k] for k in ("weight", "adv")}
+    for k in ("doc", "labels", "hidden", "old", "top_k"):
+        out[k] = packing.context_parallel_split(s[k], rank, 2, layout="contiguous")
+    return out
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     """Three processes: every case on the 3-rank group (uneven shards), then on a 2-rank
     subgroup of ranks 0 and 1 (even shards) while rank 2 waits: one spawn for both."""
@@ -250,6 +295,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             _few_candidates(False)
             if world == 2:
                 results[2]["errors"] = _errors(vp, rank)
+                results[2]["context"] = _cp_run(_cp_shard(_cp_stream(), rank), pair)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -328,3 +374,18 @@ def test_bad_mask_on_one_rank_raises_on_every_rank():
         else:
             assert "another rank" in msgs["bad mask"], msgs
         assert msgs["after"] == "finite"
+
+
+def test_fused_loss_with_replay_under_context_parallelism():
+    """Two context-parallel ranks, each with half of a packed stream (a document spans the
+    split): the losses sum to the single-process one, the metrics (replay's included) are the
+    whole stream's on both ranks, the gradients match."""
+    ranks = [r["context"] for r in _spawned(2)]
+    whole = _cp_run(_cp_stream())
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ranks[0]["loss"] + ranks[1]["loss"], whole["loss"], **close)
+    for key in ("replay_kept_size", "replay_label_added", "replay_log_kept_mass", "kl_ref"):
+        for r in ranks:
+            torch.testing.assert_close(r[key], whole[key], **close, msg=key)
+    torch.testing.assert_close(torch.cat([r["hidden"] for r in ranks]), whole["hidden"], **close)
+    torch.testing.assert_close(ranks[0]["weight"] + ranks[1]["weight"], whole["weight"], **close)
