@@ -32,8 +32,10 @@ import torch
 from ..distributed import VocabParallel
 from .options import HeadOptions, finish_stats
 
-# Elements of one gathered [chunk, H] fp32 block (8 MiB): the weight rows, then the hidden rows.
-_GATHER_ELEMS = 1 << 21
+# Elements of one gathered [chunk, H] fp32 block (2 MiB): the weight rows, then the hidden rows.
+# Small on purpose: the gathers are memory-bound either way, and what the step allocates
+# beside the dense weight gradient is its peak memory.
+_GATHER_ELEMS = 1 << 19
 # Stand-in for the running max of a row without entries on this rank (vocab parallelism): far
 # below any logit, finite so that the combine's rescaling stays 0 instead of 0·inf = NaN.
 _NO_ENTRY = -1e30
@@ -179,6 +181,7 @@ class KeptGrads:
             if self.dh is not None:
                 w = _rows_in(weight, ids[s:e], hd).mul_(dz[:, None])
                 self.dh.index_add_(0, rows[s:e], w)
+                del w
             if target is not None:
                 target.index_add_(0, slot[s:e], _rows_in(hidden, rows[s:e], hd).mul_(dz[:, None]))
             if db is not None:

@@ -475,7 +475,9 @@ def replay_backward(
     vp = opts.vocab_parallel
     use_ent = opts.with_entropy and grad_ent is not None
     grad_ent = grad_ent if use_ent else None
-    dh = torch.zeros(hidden.shape, device=hidden.device) if needs[0] else None
+    # Every row truncated: the kept-entry accumulator is the whole hidden gradient.
+    only_kept = plan.has_trunc and not plan.has_full and plan.trunc is None
+    dh = torch.zeros(hidden.shape, device=hidden.device) if needs[0] and not only_kept else None
     dw = db = None
     if plan.has_full:
         tile, plan.full_tile = plan.full_tile, None  # consumed: a second backward recomputes
@@ -508,7 +510,10 @@ def replay_backward(
         if acc.dh is not None:
             if vp is not None:
                 vp.reduce_hidden(acc.dh)
-            _put(dh, trunc, acc.dh)
+            if only_kept:
+                dh = acc.dh
+            else:
+                _put(dh, trunc, acc.dh)
         dw, db = acc.dw, acc.db
         if needs[1] and dw is None:
             dw = torch.zeros_like(weight)
