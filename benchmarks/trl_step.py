@@ -110,7 +110,7 @@ def _inputs(args: argparse.Namespace):
 def _worker(variant: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from logitless.bench.worker import CpuPeakMemory, _proc_status_kib
+    from logitless.apps.memory import CpuPeakMemory, _proc_status_kib
 
     torch.set_num_threads(args.threads)
     trainer = _trainer(variant, args)

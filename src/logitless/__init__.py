@@ -16,6 +16,7 @@ from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_lo
 from .modules import LinearLogprobs, LogprobHead, PolicyLossHead
 from .packing import next_token_labels
 from .parallel import VocabParallel
+from .sampling import SamplingMask
 from .types import LogProbs
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "LossNormalizer",
     "PolicyLossConfig",
     "PolicyLossHead",
+    "SamplingMask",
     "StepAccumulator",
     "VocabParallel",
     "fused_policy_loss",

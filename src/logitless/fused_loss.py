@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_flag
 from ._validate import HeadArgs, check_chunk_size, check_head_call
+from ._validate_replay import ReplayArgs, check_replay_call
+from .fused_replay import replay_policy_loss
 from .kernels import (
     Backend,
     Rows,
@@ -35,6 +38,7 @@ from .losses.checks import LossCall, check_config, check_policy_loss
 from .losses.policy import compute_policy_loss
 from .losses.stats import DocumentStats, compute_document_stats
 from .parallel.vocab import VocabParallel
+from .sampling import SamplingMask
 
 
 def fused_policy_loss(
@@ -58,6 +62,11 @@ def fused_policy_loss(
     vocab_parallel: VocabParallel | None = None,
     context_group: object | None = None,
     backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -102,6 +111,12 @@ def fused_policy_loss(
             over the group, the returned loss is this rank's share and the metrics are the
             group's. A collective call; the number of collectives does not depend on the rank's
             data or chunk count (the per-chunk gradients use precomputed document statistics).
+        sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
+            :func:`logitless.linear_logprobs`: the log-probs (and entropy) the loss sees are
+            over each row's kept set. Then the replay forward runs first, the loss gradient of
+            every row next, and the (sparse) replay backward last; the metrics gain
+            ``replay_kept_size``, ``replay_label_added`` and, with ``with_kept_mass``,
+            ``replay_log_kept_mass`` (see :mod:`logitless.fused_replay`).
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -120,6 +135,18 @@ def fused_policy_loss(
         vocab_parallel=vocab_parallel,
         backend=backend,
     )
+    replay = check_replay_call(
+        args,
+        ignore_index,
+        vocab_parallel=vocab_parallel,
+        sampling_mask=sampling_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+    )
+    check_flag("with_kept_mass", with_kept_mass)
+    if with_kept_mass and replay is None:
+        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     if len(args.batch_shape) not in (1, 2):
         raise ValueError(
             f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "
@@ -155,6 +182,8 @@ def fused_policy_loss(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
         vocab_parallel=vocab_parallel,
+        replay=replay,
+        with_kept_mass=with_kept_mass,
     )
 
 
@@ -171,10 +200,12 @@ def fused_loss_of_checked(
     ignore_index: int,
     chunk_size: int | None,
     vocab_parallel: VocabParallel | None,
+    replay: ReplayArgs | None = None,
+    with_kept_mass: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`fused_policy_loss` of arguments already checked (``check_head_call`` and
-    ``check_policy_loss``): the HF integration checks before its backbone runs, then calls
-    this, so each contract is checked once per call."""
+    """:func:`fused_policy_loss` of arguments already checked (``check_head_call``,
+    ``check_replay_call`` and ``check_policy_loss``): the HF integration checks before its
+    backbone runs, then calls this, so each contract is checked once per call."""
     with_entropy = config.entropy_coef != 0
     mask = (args.labels != ignore_index).reshape(args.batch_shape)
     rows = select_rows(args, ignore_index)
@@ -217,7 +248,29 @@ def fused_loss_of_checked(
         return logp, ent
 
     tracked = (args.hidden, weight) if bias is None else (args.hidden, weight, bias)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tracked)):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tracked)
+    needs = (
+        rows.hidden.requires_grad,
+        weight.requires_grad,
+        bias is not None and bias.requires_grad,
+    )
+    if replay is not None:
+        loss, metrics, grads = replay_policy_loss(
+            rows,
+            weight,
+            bias,
+            kernel_inputs[3],
+            options(fused=False),
+            replay,
+            with_kept_mass=with_kept_mass,
+            needs=needs if grad else None,
+            loss_fn=loss_fn,
+            context_group=call.group,
+        )
+        if grads is not None:
+            loss = _StoredGradients.apply(loss, _GradStore(grads), rows.hidden, weight, bias)
+        return loss, metrics
+    if not grad:
         return loss_fn.evaluate(*no_grad_pass(), reduce_metrics=True)
 
     grouped = call.group is not None
@@ -240,11 +293,6 @@ def fused_loss_of_checked(
         def grad_fn(r0: int, r1: int, logp_c: torch.Tensor, ent_c: torch.Tensor | None):
             return g_all[r0:r1], None if e_all is None else e_all[r0:r1]
 
-    needs = (
-        rows.hidden.requires_grad,
-        weight.requires_grad,
-        bias is not None and bias.requires_grad,
-    )
     opts = options(fused=True)
     logp, ent, grads = backend_module(opts).fused_rows(*kernel_inputs, opts, grad_fn, needs)
     with torch.no_grad():

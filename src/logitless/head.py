@@ -6,6 +6,7 @@ import torch
 
 from ._checks import check_flag
 from ._validate import HeadArgs, check_chunk_size, check_head_call
+from ._validate_replay import ReplayArgs, check_replay_call
 from .kernels import (
     Backend,
     LinearLogprobsFunction,
@@ -14,7 +15,9 @@ from .kernels import (
     kernel_labels,
     select_rows,
 )
+from .kernels.replay import replay_logprobs
 from .parallel.vocab import VocabParallel
+from .sampling import SamplingMask
 from .types import LogProbs
 
 
@@ -32,6 +35,11 @@ def linear_logprobs(
     head_dtype: torch.dtype | None = None,
     vocab_parallel: VocabParallel | None = None,
     backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
 ) -> LogProbs:
     """Log-probability of each label (and the entropy of each row) straight from hidden states.
 
@@ -71,12 +79,31 @@ def linear_logprobs(
             matmuls; any device), ``"triton"`` (Triton kernels that keep the logits in
             registers; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for
             16-bit heads on CUDA when it is installed, the torch tiles otherwise). Both meet
-            the same numerical contract.
+            the same numerical contract. Rows truncated by sampling replay run torch code on
+            every backend (see ``docs/sampling-replay.md``).
+        sampling_mask: sampling replay from the engine's kept sets: a
+            :class:`~logitless.SamplingMask` ``(token_ids [nnz], offsets [N + 1])`` in CSR over
+            the label positions (row-major, ``N = labels.numel()``, global ids), or padded ids
+            ``[*labels.shape, K]`` with negative values as padding. Each row's log-prob and
+            entropy are then over its kept set ``K`` (plus the label):
+            ``logp = z[y] - logsumexp(z[K])``, gradients through ``z[K]`` only; a row with no
+            kept id is not truncated (full vocabulary). Only the kept weight rows are read.
+        top_k, top_p, min_p: sampling replay by the sampler's parameters instead (an int /
+            float, or a tensor broadcastable to ``labels``): the kept set is recomputed from
+            these logits as vLLM's sampler builds it (temperature, min-p, top-k keeping ties
+            at the k-th value, then top-p over the renormalized rest, at least one token), by
+            a streaming top-k over vocabulary tiles. ``top_k >= V``, ``top_p = 1`` and
+            ``min_p = 0`` mean "not truncated". Not together with ``sampling_mask``.
+        with_kept_mass: with replay, also report ``log_kept_mass`` (the log of each row's kept
+            mass under the full softmax); with a ``sampling_mask`` it costs one more pass over
+            the vocabulary (no gradient), with top-k / top-p it is free.
 
     Returns:
         :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape``; entropy is
         None unless ``with_entropy``. Gradients flow to hidden, weight and bias in their own
-        dtypes, from both outputs.
+        dtypes, from both outputs. With replay, a :class:`~logitless.types.ReplayLogProbs`
+        (unpacks the same way) that also carries ``label_added`` (bool: the label was not in
+        its kept set and was added), ``kept_size`` (int64 ``|K|``) and ``log_kept_mass``.
 
     Raises:
         ValueError: on any shape, dtype, device or value problem, before any work.
@@ -94,7 +121,9 @@ def linear_logprobs(
     """
     chunk_size = check_chunk_size(chunk_size)
     check_flag("with_entropy", with_entropy)
-    if vocab_parallel is None and torch.compiler.is_compiling():
+    check_flag("with_kept_mass", with_kept_mass)
+    replaying = any(v is not None for v in (sampling_mask, top_k, top_p, min_p))
+    if vocab_parallel is None and not replaying and torch.compiler.is_compiling():
         # Compiled code calls the op as one opaque custom op (same checks and kernels inside):
         # the checks' host read and the data-dependent row selection cannot be traced.
         from .kernels.compiled import linear_logprobs_op
@@ -124,12 +153,25 @@ def linear_logprobs(
         vocab_parallel=vocab_parallel,
         backend=backend,
     )
+    replay = check_replay_call(
+        args,
+        ignore_index,
+        vocab_parallel=vocab_parallel,
+        sampling_mask=sampling_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+    )
+    if with_kept_mass and replay is None:
+        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     return logprobs_of_checked(
         args,
         with_entropy=with_entropy,
         ignore_index=ignore_index,
         chunk_size=chunk_size,
         vocab_parallel=vocab_parallel,
+        replay=replay,
+        with_kept_mass=with_kept_mass,
     )
 
 
@@ -140,9 +182,12 @@ def logprobs_of_checked(
     ignore_index: int,
     chunk_size: int | None,
     vocab_parallel: VocabParallel | None,
+    replay: ReplayArgs | None = None,
+    with_kept_mass: bool = False,
 ) -> LogProbs:
-    """:func:`linear_logprobs` of arguments already checked by ``check_head_call`` (the HF
-    integration checks before its backbone runs, then calls this: one check, one sync)."""
+    """:func:`linear_logprobs` of arguments already checked by ``check_head_call`` (and
+    ``check_replay_call``): the HF integration checks before its backbone runs, then calls
+    this (one check, one sync)."""
     rows = select_rows(args, ignore_index)
     opts = head_options(
         args, rows, with_entropy, chunk_size=chunk_size, vocab_parallel=vocab_parallel
@@ -150,7 +195,12 @@ def logprobs_of_checked(
     labels_k = kernel_labels(rows, vocab_parallel)
     weight, bias = args.weight, args.bias
     tracked = (args.hidden, weight) if bias is None else (args.hidden, weight, bias)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tracked)
+    if replay is not None:
+        return replay_logprobs(
+            rows, weight, bias, labels_k, opts, replay, with_kept_mass=with_kept_mass, grad=grad
+        )
+    if grad:
         out = LinearLogprobsFunction.apply(
             rows.hidden, weight, bias, labels_k, rows.temperature, opts
         )

@@ -43,9 +43,10 @@ from .kernels import Backend
 from .losses import LossNormalizer, PolicyLossConfig
 from .losses.checks import check_config
 from .parallel.vocab import VocabParallel
+from .sampling import SamplingMask
 from .types import LogProbs
 
-__all__ = ["HeadOptions", "LinearLogprobs", "LogprobHead", "PolicyLossHead"]
+__all__ = ["HeadOptions", "LinearLogprobs", "LogprobHead", "PolicyLossHead", "SamplerOptions"]
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,52 @@ class HeadOptions:
         return ", ".join(pairs)
 
 
+@dataclass(frozen=True)
+class SamplerOptions:
+    """The rollout sampler's settings a head module stores for sampling replay (the same
+    names and meanings as in :func:`~logitless.linear_logprobs`); all None: no replay."""
+
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    with_kept_mass: bool = False
+
+    def call_kwargs(self, sampling_mask, top_k, top_p, min_p) -> dict:
+        """Replay keyword arguments of one call: a per-call ``sampling_mask`` replaces the
+        stored settings; a per-call ``top_k`` / ``top_p`` / ``min_p`` overrides its own."""
+        if sampling_mask is not None:
+            return {"sampling_mask": sampling_mask, "with_kept_mass": self.with_kept_mass}
+        sampler = {
+            "top_k": self.top_k if top_k is None else top_k,
+            "top_p": self.top_p if top_p is None else top_p,
+            "min_p": self.min_p if min_p is None else min_p,
+        }
+        replaying = any(v is not None for v in sampler.values())
+        return sampler | {"with_kept_mass": self.with_kept_mass and replaying}
+
+    def describe(self) -> str:
+        """``name=value`` pairs of the settings that are set, for ``extra_repr``."""
+        out = ""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or value is False:
+                continue
+            if isinstance(value, torch.Tensor):  # per-row settings: the shape, not the values
+                value = f"tensor{list(value.shape)}"
+            else:
+                value = repr(value)
+            out += f", {f.name}={value}"
+        return out
+
+
 class LinearLogprobs(nn.Module):
     """Thin module form of :func:`~logitless.linear_logprobs`: stores the options, owns no
     weight. ``LinearLogprobs(with_entropy=True)(hidden, weight, labels)`` equals
     ``linear_logprobs(hidden, weight, labels, with_entropy=True)``; a per-call ``temperature``
-    (e.g. a per-token tensor) overrides the stored one.
+    (e.g. a per-token tensor) overrides the stored one. The sampler settings (``top_k``,
+    ``top_p``, ``min_p``, ``with_kept_mass``) turn on sampling replay for every call; a
+    per-call ``sampling_mask`` replaces them, a per-call ``top_k`` / ``top_p`` / ``min_p``
+    overrides its own.
     """
 
     def __init__(
@@ -96,12 +138,17 @@ class LinearLogprobs(nn.Module):
         head_dtype: torch.dtype | None = None,
         vocab_parallel: VocabParallel | None = None,
         backend: Backend = "auto",
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        with_kept_mass: bool = False,
     ) -> None:
         super().__init__()
         self.with_entropy = with_entropy
         self.options = HeadOptions(
             temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
         )
+        self.sampler = SamplerOptions(top_k, top_p, min_p, with_kept_mass)
 
     def forward(
         self,
@@ -110,6 +157,11 @@ class LinearLogprobs(nn.Module):
         labels: torch.Tensor,
         bias: torch.Tensor | None = None,
         temperature: float | torch.Tensor | None = None,
+        *,
+        sampling_mask: SamplingMask | torch.Tensor | None = None,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
     ) -> LogProbs:
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
         return linear_logprobs(
@@ -119,10 +171,13 @@ class LinearLogprobs(nn.Module):
             bias=bias,
             with_entropy=self.with_entropy,
             **self.options.call_kwargs(temperature),
+            **self.sampler.call_kwargs(sampling_mask, top_k, top_p, min_p),
         )
 
     def extra_repr(self) -> str:
-        return f"with_entropy={self.with_entropy}, {self.options.describe()}"
+        return (
+            f"with_entropy={self.with_entropy}, {self.options.describe()}{self.sampler.describe()}"
+        )
 
 
 def _fsdp(module: nn.Module) -> bool:
@@ -259,10 +314,14 @@ class LogprobHead(_SharedHeadWeight):
             with an ``nn.Parameter`` ``weight`` ``[V, H]`` (and optionally ``bias`` ``[V]``).
         temperature, softcap, with_entropy, ignore_index, chunk_size, head_dtype,
             vocab_parallel, backend: as in :func:`~logitless.linear_logprobs`.
+        top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
+            replay, as in :func:`~logitless.linear_logprobs` (None: not used).
 
-    Forward: ``head(hidden [..., H], labels [...], temperature=None) -> LogProbs`` of fp32
-    ``[...]`` tensors; a per-call ``temperature`` (e.g. a per-token tensor) overrides the stored
-    one.
+    Forward: ``head(hidden [..., H], labels [...], temperature=None, *, sampling_mask=None,
+    top_k=None, top_p=None, min_p=None) -> LogProbs`` of fp32 ``[...]`` tensors; a per-call
+    ``temperature`` (e.g. a per-token tensor) or sampler setting (e.g. a per-token tensor)
+    overrides the stored one; ``sampling_mask`` (the engine's kept ids) replaces the stored
+    sampler settings for that call.
 
     Raises:
         ValueError: at construction if ``source`` has no floating ``[V, H]`` weight parameter
@@ -303,8 +362,13 @@ class LogprobHead(_SharedHeadWeight):
         head_dtype: torch.dtype | None = None,
         vocab_parallel: VocabParallel | None = None,
         backend: Backend = "auto",
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        with_kept_mass: bool = False,
     ) -> None:
         super().__init__(source)
+        self.sampler = SamplerOptions(top_k, top_p, min_p, with_kept_mass)
         self.with_entropy = with_entropy
         self.options = HeadOptions(
             temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
@@ -315,10 +379,15 @@ class LogprobHead(_SharedHeadWeight):
         hidden: torch.Tensor,
         labels: torch.Tensor,
         temperature: float | torch.Tensor | None = None,
+        *,
+        sampling_mask: SamplingMask | torch.Tensor | None = None,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
     ) -> LogProbs:
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
         weight, bias = self._current_parameters()
-        check_full_precision(temperature=temperature)
+        check_full_precision(temperature=temperature, top_p=top_p, min_p=min_p)
         out = linear_logprobs(
             hidden,
             weight,
@@ -326,16 +395,21 @@ class LogprobHead(_SharedHeadWeight):
             bias=bias,
             with_entropy=self.with_entropy,
             **self.options.call_kwargs(temperature),
+            **self.sampler.call_kwargs(sampling_mask, top_k, top_p, min_p),
         )
         # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
         # output that is a view would drop it (torch warns about views). [N]-sized copies.
-        return LogProbs(*(t.clone() if t is not None and t._base is not None else t for t in out))
+        # (_replace keeps a replay result's attributes.)
+        return out._replace(
+            **{k: t.clone() for k, t in zip(out._fields, out, strict=True) if _is_view(t)}
+        )
 
     def extra_repr(self) -> str:
         vocab, dim = self.weight.shape
         return (
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, "
             f"with_entropy={self.with_entropy}, {self.options.describe()}"
+            f"{self.sampler.describe()}"
         )
 
 
@@ -358,12 +432,16 @@ class PolicyLossHead(_SharedHeadWeight):
         config: the :class:`~logitless.PolicyLossConfig`.
         temperature, softcap, head_dtype, chunk_size, ignore_index, vocab_parallel, backend:
             as in :func:`~logitless.fused_policy_loss`.
+        top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
+            replay, as in :func:`~logitless.fused_policy_loss` (None: not used).
 
     Forward: ``head(hidden, labels, old_logprobs, advantages, *, document_ids=None,
-    ref_logprobs=None, rollout_logprobs=None, normalizer=None, temperature=None) -> (loss,
-    metrics)`` with ``hidden`` ``[N, H]`` or ``[B, T, H]``, the rest ``[N]`` / ``[B, T]`` (and
-    advantages per sequence or per token) as in :func:`~logitless.fused_policy_loss`; a
-    per-call ``temperature`` overrides the stored one.
+    ref_logprobs=None, rollout_logprobs=None, normalizer=None, temperature=None,
+    sampling_mask=None, top_k=None, top_p=None, min_p=None) -> (loss, metrics)`` with
+    ``hidden`` ``[N, H]`` or ``[B, T, H]``, the rest ``[N]`` / ``[B, T]`` (and advantages
+    per sequence or per token) as in :func:`~logitless.fused_policy_loss`; a per-call
+    ``temperature`` or sampler setting overrides the stored one, and a ``sampling_mask``
+    replaces the stored sampler settings for that call.
 
     Raises:
         ValueError: as :class:`LogprobHead`, and if a loss input (old / ref / rollout
@@ -399,6 +477,10 @@ class PolicyLossHead(_SharedHeadWeight):
         ignore_index: int = -100,
         vocab_parallel: VocabParallel | None = None,
         backend: Backend = "auto",
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        with_kept_mass: bool = False,
     ) -> None:
         try:
             check_config(config)
@@ -409,6 +491,7 @@ class PolicyLossHead(_SharedHeadWeight):
         self.options = HeadOptions(
             temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
         )
+        self.sampler = SamplerOptions(top_k, top_p, min_p, with_kept_mass)
 
     def forward(
         self,
@@ -422,9 +505,14 @@ class PolicyLossHead(_SharedHeadWeight):
         rollout_logprobs: torch.Tensor | None = None,
         normalizer: LossNormalizer | None = None,
         temperature: float | torch.Tensor | None = None,
+        sampling_mask: SamplingMask | torch.Tensor | None = None,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metrics)`` of :func:`~logitless.fused_policy_loss` with this head's weight."""
         weight, bias = self._current_parameters()
+        check_full_precision(top_p=top_p, min_p=min_p)
         return fused_policy_loss(
             hidden,
             weight,
@@ -438,11 +526,16 @@ class PolicyLossHead(_SharedHeadWeight):
             rollout_logprobs=rollout_logprobs,
             normalizer=normalizer,
             **self.options.call_kwargs(temperature),
+            **self.sampler.call_kwargs(sampling_mask, top_k, top_p, min_p),
         )
 
     def extra_repr(self) -> str:
         vocab, dim = self.weight.shape
         return (
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, config={self.config}, "
-            f"{self.options.describe()}"
+            f"{self.options.describe()}{self.sampler.describe()}"
         )
+
+
+def _is_view(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t._base is not None

@@ -13,7 +13,57 @@ class LogProbs(NamedTuple):
     logprobs: ``[...]`` fp32 log-probability of each label; 0.0 where the label is ignored.
     entropy: ``[...]`` fp32 entropy of each row's distribution (0.0 where ignored), or ``None``
     when ``with_entropy=False``.
+
+    With sampling replay (``sampling_mask=`` / ``top_k=`` / ``top_p=`` / ``min_p=``) the call
+    returns a :class:`ReplayLogProbs`, whose extra attributes report the kept sets. They are
+    attributes, not tuple items, so ``logp, ent = out`` unpacks two values either way; on a
+    plain result they are None.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
+
+    # Sampling-replay attributes (see ReplayLogProbs); None without replay.
+    label_added = None
+    kept_size = None
+    log_kept_mass = None
+
+
+class ReplayLogProbs(LogProbs):
+    """:class:`LogProbs` of a call with sampling replay: log-probs and entropy over each row's
+    kept set ``K`` (the label always counted in it), and what the kept sets were.
+
+    label_added: ``[...]`` bool, True where the label was not in the sampler's kept set and was
+        added to it (a rounding at the top-k / top-p boundary, or a mask that lacks the
+        sampled token); False at ignored rows. ``label_added.sum()`` counts them.
+    kept_size: ``[...]`` int64 ``|K|`` with the label counted (the vocabulary size where the
+        row was not truncated, 0 at ignored rows).
+    log_kept_mass: ``[...]`` fp32 ``log Σ_{j∈K} softmax(z)_j`` under the full softmax (0 where
+        not truncated or ignored): the bias an unreplayed log-prob would carry. None unless
+        ``with_kept_mass=True``.
+    """
+
+    def __new__(
+        cls,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        label_added: torch.Tensor | None = None,
+        kept_size: torch.Tensor | None = None,
+        log_kept_mass: torch.Tensor | None = None,
+    ) -> ReplayLogProbs:
+        self = super().__new__(cls, logprobs, entropy)
+        self.label_added = label_added
+        self.kept_size = kept_size
+        self.log_kept_mass = log_kept_mass
+        return self
+
+    def _replace(self, **changes) -> ReplayLogProbs:
+        fields = {k: getattr(self, k) for k in ("logprobs", "entropy", *_REPLAY_FIELDS)}
+        return ReplayLogProbs(**(fields | changes))
+
+    def __repr__(self) -> str:
+        extra = ", ".join(f"{k}={getattr(self, k)!r}" for k in _REPLAY_FIELDS)
+        return f"ReplayLogProbs(logprobs={self.logprobs!r}, entropy={self.entropy!r}, {extra})"
+
+
+_REPLAY_FIELDS = ("label_added", "kept_size", "log_kept_mass")

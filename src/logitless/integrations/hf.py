@@ -44,6 +44,7 @@ from torch import nn
 from .._checks import check_flag
 from .._checks import fmt_shape as _shape
 from .._validate import HeadArgs, check_chunk_size, check_head_args, with_hidden
+from .._validate_replay import ReplayArgs, check_replay_args
 from ..fused_loss import fused_loss_of_checked
 from ..head import logprobs_of_checked
 from ..kernels import Backend
@@ -54,6 +55,7 @@ from ..packing import (
     next_token_labels,
     position_ids_to_document_ids,
 )
+from ..sampling import SamplingMask
 from ..types import LogProbs
 
 __all__ = [
@@ -403,11 +405,13 @@ def _effective_temperature(
 
 class _Prepared(NamedTuple):
     """A checked call: the head, the head contract's arguments (on a placeholder of the hidden
-    states, swapped for the real ones after the backbone) and the projection dtype."""
+    states, swapped for the real ones after the backbone), the projection dtype and the
+    checked sampling replay arguments."""
 
     head: CausalLMHead
     args: HeadArgs
     head_dtype: torch.dtype | None
+    replay: ReplayArgs | None  # flat over the label positions: any [B, T] -> [N] view keeps it
 
 
 def _prepare(
@@ -425,9 +429,11 @@ def _prepare(
     ignore_index: int,
     backend: object,
     model_kwargs: dict[str, Any],
+    replay: dict[str, Any] | None = None,
 ) -> _Prepared:
-    """Every check that needs no FLOP, before the backbone runs: model, inputs, labels, and the
-    head contract (one check: label range, temperature, dtypes, devices, backend)."""
+    """Every check that needs no FLOP, before the backbone runs: model, inputs, labels, the
+    head contract (one check: label range, temperature, dtypes, devices, backend) and the
+    sampling replay arguments ``replay``."""
     check_chunk_size(chunk_size)
     head = causal_lm_head(model)
     _backbone(model)
@@ -471,7 +477,19 @@ def _prepare(
         head_dtype=head_dtype,
         backend=backend,
     )
-    return _Prepared(head, args, head_dtype)
+    replay = replay or {}
+    check_flag("with_kept_mass", replay.get("with_kept_mass", False))
+    checked = check_replay_args(
+        args, ignore_index, vocab_size=head.weight.shape[0], **_sampler(replay)
+    )
+    if replay.get("with_kept_mass") and checked is None:
+        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
+    return _Prepared(head, args, head_dtype, checked)
+
+
+def _sampler(replay: dict[str, Any]) -> dict[str, Any]:
+    """The kept-set arguments of ``replay`` (without ``with_kept_mass``)."""
+    return {k: replay.get(k) for k in ("sampling_mask", "top_k", "top_p", "min_p")}
 
 
 def causal_lm_hidden_states(
@@ -528,6 +546,11 @@ def causal_lm_logprobs(
     head_dtype: torch.dtype | None = None,
     ignore_index: int = -100,
     backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of a transformers causal LM, without its logits.
@@ -555,6 +578,10 @@ def causal_lm_logprobs(
         labels: ``[B, T]`` targets aligned like the logits; default :func:`causal_lm_labels`.
         with_entropy, temperature, chunk_size, head_dtype, ignore_index, backend: as in
             :func:`logitless.linear_logprobs` (temperature: float or ``[B, T]`` tensor).
+        sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
+            :func:`logitless.linear_logprobs`, over the ``[B, T]`` label positions (a CSR mask
+            has ``B * T + 1`` offsets, row-major; padded ids are ``[B, T, K]``): the log-probs
+            of the model's logits masked to each position's kept set.
         **model_kwargs: passed to the backbone (e.g. flash-attention varlen arguments).
 
     Returns:
@@ -575,6 +602,13 @@ def causal_lm_logprobs(
     >>> out.logprobs.sum().backward()                # gradients reach every model parameter
     """
     check_flag("with_entropy", with_entropy)
+    replay = dict(
+        sampling_mask=sampling_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        with_kept_mass=with_kept_mass,
+    )
     prep = _prepare(
         model,
         input_ids,
@@ -589,6 +623,7 @@ def causal_lm_logprobs(
         ignore_index=ignore_index,
         backend=backend,
         model_kwargs=model_kwargs,
+        replay=replay,
     )
     hidden = causal_lm_hidden_states(
         model,
@@ -604,6 +639,8 @@ def causal_lm_logprobs(
             ignore_index=ignore_index,
             chunk_size=chunk_size,
             vocab_parallel=None,
+            replay=prep.replay,
+            with_kept_mass=with_kept_mass,
         )
 
 
@@ -673,6 +710,11 @@ def causal_lm_policy_loss(
     head_dtype: torch.dtype | None = None,
     ignore_index: int = -100,
     backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy loss of a transformers causal LM: backbone, then :func:`fused_policy_loss`.
@@ -703,6 +745,8 @@ def causal_lm_policy_loss(
             token stream; loss, metrics and gradients do not depend on the layout.
         config, ref_logprobs, rollout_logprobs, normalizer: as in
             :func:`logitless.policy_loss`.
+        sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
+            :func:`causal_lm_logprobs` and :func:`logitless.fused_policy_loss`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -724,6 +768,13 @@ def causal_lm_policy_loss(
     >>> loss.backward()
     """
     check_config(config)
+    replay = dict(
+        sampling_mask=sampling_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        with_kept_mass=with_kept_mass,
+    )
     prep = _prepare(
         model,
         input_ids,
@@ -738,6 +789,7 @@ def causal_lm_policy_loss(
         ignore_index=ignore_index,
         backend=backend,
         model_kwargs=model_kwargs,
+        replay=replay,
     )
     args = prep.args
     labels = args.labels.reshape(args.batch_shape)
@@ -788,4 +840,6 @@ def causal_lm_policy_loss(
             ignore_index=ignore_index,
             chunk_size=chunk_size,
             vocab_parallel=None,
+            replay=prep.replay,
+            with_kept_mass=with_kept_mass,
         )

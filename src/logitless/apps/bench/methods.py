@@ -392,6 +392,51 @@ def _build_liger_grpo(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
+# ---- task "replay": sampling replay (docs/sampling-replay.md) vs the full-vocabulary op ----
+
+_MASK_KEPT = 64  # kept ids per row of the sampling_mask workload (the issue's bound)
+
+
+def _replay_mask(work: Workload, inputs: Inputs):
+    """A SamplingMask of ``_MASK_KEPT`` distinct ids per valid row, the label among them, the
+    others uniformly random (no locality: the worst case for the gathers)."""
+    from logitless import SamplingMask
+
+    gen = torch.Generator().manual_seed(work.seed + 2)
+    n, v = work.tokens, work.vocab
+    kept = min(_MASK_KEPT, v)
+    ids = torch.rand(n, v, generator=gen).topk(kept, dim=1).indices  # distinct per row
+    labels = inputs.labels.cpu()
+    valid = labels != IGNORE_INDEX
+    has = (ids == labels[:, None]).any(1)
+    ids[valid & ~has, 0] = labels[valid & ~has]  # the sampled token is always kept
+    ids[~valid] = -1
+    return SamplingMask.from_padded(ids.to(inputs.labels.device))
+
+
+def _build_replay(kind: str) -> Callable[[Workload, Inputs], Step]:
+    """``linear_logprobs`` with a sampling mask (``kind="mask"``) or with ``top_k=512,
+    top_p=0.95`` replay (``kind="topk"``), entropy included, + backward."""
+
+    def build(work: Workload, inputs: Inputs) -> Step:
+        from logitless import linear_logprobs
+
+        if kind == "mask":
+            replay = {"sampling_mask": _replay_mask(work, inputs)}
+        else:
+            replay = {"top_k": 512, "top_p": 0.95}
+
+        def step() -> None:
+            out = linear_logprobs(
+                inputs.hidden, inputs.weight, inputs.labels, with_entropy=True, **replay
+            )
+            _backward(inputs, out.logprobs, out.entropy)
+
+        return step
+
+    return build
+
+
 TASKS: dict[str, dict[str, Method]] = {
     "logprobs": {
         m.name: m
@@ -461,6 +506,30 @@ TASKS: dict[str, dict[str, Method]] = {
                 unavailable=_liger_loss_unavailable,
                 note=lambda w: "LigerFusedLinearGRPOLoss(loss_type='dapo'); all rows computed",
             ),
+        )
+    },
+    "replay": {
+        m.name: m
+        for m in (
+            Method(
+                "logitless",
+                "op",
+                _build_logitless("auto"),
+                note=lambda w: "full vocabulary, the reference point of the replay rows",
+            ),
+            Method(
+                "replay_mask",
+                "op",
+                _build_replay("mask"),
+                note=lambda w: f"sampling_mask, {_MASK_KEPT} random kept ids per row",
+            ),
+            Method(
+                "replay_topk",
+                "op",
+                _build_replay("topk"),
+                note=lambda w: "top_k=512, top_p=0.95 replayed (streaming top-k)",
+            ),
+            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
         )
     },
 }
