@@ -42,3 +42,15 @@ def test_python_dash_m_version() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"logitless {_expected()}"
+
+
+def test_module_version_matches_pyproject() -> None:
+    """The version is written twice (pyproject for the metadata, ``__version__`` for a source
+    tree without it): they must agree."""
+    from pathlib import Path
+
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+    assert logitless.__version__ == declared

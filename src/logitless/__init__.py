@@ -35,4 +35,4 @@ __all__ = [
     "next_token_labels",
     "policy_loss",
 ]
-__version__ = "0.1.0.dev0"
+__version__ = "0.2.0.dev0"

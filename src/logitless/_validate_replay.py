@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_flag
+from ._checks import fmt_shape as _shape
 from ._validate import HeadArgs
 from .sampling import SamplingMask
 
@@ -38,10 +40,6 @@ class ReplayArgs:
     @property
     def is_mask(self) -> bool:
         return self.mask_offsets is not None
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"[{', '.join(str(s) for s in t.shape)}]"
 
 
 def _per_position(
@@ -248,20 +246,33 @@ def check_replay_args(
     return ReplayArgs(vocab_size=vocab_size, top_k=k, top_p=p, min_p=mp)
 
 
-def check_replay_call(args: HeadArgs | None, ignore_index: int, *, vocab_parallel, **replay):
-    """:func:`check_replay_args`, made collective when the head is vocab-parallel: every rank
-    joins one agreement all-reduce, so a bad mask on one rank raises on all of them."""
+def check_replay_call(
+    args: HeadArgs,
+    ignore_index: int,
+    *,
+    vocab_parallel,
+    with_kept_mass: object = False,
+    **replay,
+) -> ReplayArgs | None:
+    """The replay contract of one call (op, fused loss, modules, HF integration, reference):
+    :func:`check_replay_args` and the ``with_kept_mass`` flag, made collective when the head is
+    vocab-parallel: every rank joins one agreement all-reduce, so a bad mask on one rank raises
+    on all of them. None when the call does no replay."""
+    check_flag("with_kept_mass", with_kept_mass)
     if vocab_parallel is None:
         vocab = args.weight.shape[0]
-        return check_replay_args(args, ignore_index, vocab_size=vocab, **replay)
-    if all(v is None for v in replay.values()):
-        return None
-    result, error = None, None
-    try:
-        result = check_replay_args(
-            args, ignore_index, vocab_size=vocab_parallel.vocab_size, **replay
-        )
-    except ValueError as e:
-        error = e
-    vocab_parallel.agree(args.labels, error)
+        result = check_replay_args(args, ignore_index, vocab_size=vocab, **replay)
+    elif all(v is None for v in replay.values()):
+        result = None
+    else:
+        result, error = None, None
+        try:
+            result = check_replay_args(
+                args, ignore_index, vocab_size=vocab_parallel.vocab_size, **replay
+            )
+        except ValueError as e:
+            error = e
+        vocab_parallel.agree(args.labels, error)
+    if with_kept_mass and result is None:
+        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     return result

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_flag
 from ._validate import HeadArgs, check_chunk_size, check_head_call
 from ._validate_replay import ReplayArgs, check_replay_call
 from .fused_replay import replay_policy_loss
@@ -143,10 +142,8 @@ def fused_policy_loss(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
+        with_kept_mass=with_kept_mass,
     )
-    check_flag("with_kept_mass", with_kept_mass)
-    if with_kept_mass and replay is None:
-        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     if len(args.batch_shape) not in (1, 2):
         raise ValueError(
             f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "

@@ -121,7 +121,6 @@ def linear_logprobs(
     """
     chunk_size = check_chunk_size(chunk_size)
     check_flag("with_entropy", with_entropy)
-    check_flag("with_kept_mass", with_kept_mass)
     replaying = any(v is not None for v in (sampling_mask, top_k, top_p, min_p))
     if vocab_parallel is None and not replaying and torch.compiler.is_compiling():
         # Compiled code calls the op as one opaque custom op (same checks and kernels inside):
@@ -161,9 +160,8 @@ def linear_logprobs(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
+        with_kept_mass=with_kept_mass,
     )
-    if with_kept_mass and replay is None:
-        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     return logprobs_of_checked(
         args,
         with_entropy=with_entropy,

@@ -109,11 +109,9 @@ class SamplerOptions:
             value = getattr(self, f.name)
             if value is None or value is False:
                 continue
-            if isinstance(value, torch.Tensor):  # per-row settings: the shape, not the values
-                value = f"tensor{list(value.shape)}"
-            else:
-                value = repr(value)
-            out += f", {f.name}={value}"
+            # Per-row settings: the shape, not the values.
+            shown = f"tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            out += f", {f.name}={shown}"
         return out
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ._checks import check_flag
 from ._validate import check_chunk_size, check_head_args
-from ._validate_replay import ReplayArgs, check_replay_args
+from ._validate_replay import ReplayArgs, check_replay_call
 from .sampling import SamplingMask
 from .types import LogProbs, ReplayLogProbs
 
@@ -56,7 +56,6 @@ def linear_logprobs(
     """
     check_chunk_size(chunk_size)
     check_flag("with_entropy", with_entropy)
-    check_flag("with_kept_mass", with_kept_mass)
     args = check_head_args(
         hidden,
         weight,
@@ -67,17 +66,16 @@ def linear_logprobs(
         ignore_index=ignore_index,
         head_dtype=head_dtype,
     )
-    replay = check_replay_args(
+    replay = check_replay_call(
         args,
         ignore_index,
+        vocab_parallel=None,
         sampling_mask=sampling_mask,
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
-        vocab_size=weight.shape[0],
+        with_kept_mass=with_kept_mass,
     )
-    if with_kept_mass and replay is None:
-        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
     dt = args.head_dtype
     b = None if bias is None else bias.to(dt)
     stats = torch.float64 if dt == torch.float64 else torch.float32  # float64 heads stay so

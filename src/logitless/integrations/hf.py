@@ -44,7 +44,7 @@ from torch import nn
 from .._checks import check_flag
 from .._checks import fmt_shape as _shape
 from .._validate import HeadArgs, check_chunk_size, check_head_args, with_hidden
-from .._validate_replay import ReplayArgs, check_replay_args
+from .._validate_replay import ReplayArgs, check_replay_call
 from ..fused_loss import fused_loss_of_checked
 from ..head import logprobs_of_checked
 from ..kernels import Backend
@@ -477,19 +477,8 @@ def _prepare(
         head_dtype=head_dtype,
         backend=backend,
     )
-    replay = replay or {}
-    check_flag("with_kept_mass", replay.get("with_kept_mass", False))
-    checked = check_replay_args(
-        args, ignore_index, vocab_size=head.weight.shape[0], **_sampler(replay)
-    )
-    if replay.get("with_kept_mass") and checked is None:
-        raise ValueError("with_kept_mass=True needs sampling_mask= or top_k= / top_p= / min_p=")
+    checked = check_replay_call(args, ignore_index, vocab_parallel=None, **(replay or {}))
     return _Prepared(head, args, head_dtype, checked)
-
-
-def _sampler(replay: dict[str, Any]) -> dict[str, Any]:
-    """The kept-set arguments of ``replay`` (without ``with_kept_mass``)."""
-    return {k: replay.get(k) for k in ("sampling_mask", "top_k", "top_p", "min_p")}
 
 
 def causal_lm_hidden_states(
