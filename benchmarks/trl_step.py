@@ -1,6 +1,6 @@
 """One GRPO loss step in TRL, stock ``GRPOTrainer`` vs ``LogitlessGRPOTrainer``, side by side.
 
-    flock /work/cpu.lock python benchmarks/trl_step.py            # the issue's CPU shape
+    python benchmarks/trl_step.py            # the CPU shape of TRL's own tests
     python benchmarks/trl_step.py --hidden 64 --repeats 5 --csv bench-results/trl_step.csv
 
 The shape is that of TRL's CPU tests: a tiny Qwen2 (TRL's tiny-model recipe: hidden 8, 2
