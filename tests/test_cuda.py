@@ -19,6 +19,7 @@ import pytest
 import test_fused_loss as tfl
 import test_head as th
 import test_hf as thf
+import test_replay as trp
 import test_triton as ttr
 import torch
 from _tolerance import assert_no_worse_than_reference
@@ -283,3 +284,16 @@ def test_hf_policy_loss_on_cuda(name):
     floor = int((labels != thf.IGNORE).sum()) * torch.finfo(torch.float32).eps
     assert_no_worse_than_reference(op[0], ref[0], truth[0], "loss", floor=floor)
     thf._check_grads(op[2], ref[2], truth[2], labels.numel())
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling replay: every case of the CPU matrix, on both backends (the kept-set code is torch
+# on every backend; the untruncated rows run the backend's kernels)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", trp.CASES, ids=[c.id for c in trp.CASES])
+def test_replay_matches_reference(case, backend, request):
+    if case.small_tiles:
+        request.getfixturevalue("small_tiles_cuda")
+    trp.check_case(case, backend=backend, device="cuda")

@@ -281,9 +281,22 @@ def _replay_args(case, inp, replay):
     return check_replay_args(args, -100, vocab_size=case.V, **replay)
 
 
-def check_case(case: Case, backend: str = "auto") -> None:
+def _to(obj, device: torch.device | str):
+    """``obj`` with its tensors on ``device`` (a SamplingMask keeps its type)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, SamplingMask):
+        return SamplingMask(*(t.to(device) for t in obj))
+    return obj
+
+
+def check_case(case: Case, backend: str = "auto", device: str = "cpu") -> None:
+    """The op against the masked-log-softmax reference and a float64 truth on ``device`` (the
+    inputs and kept sets are built on the CPU, then moved: the same case on every device)."""
     inp = _inputs(case)
     replay = _replay_kwargs(case, inp)
+    inp = {k: v if k == "gen" else _to(v, device) for k, v in inp.items()}
+    replay = {k: _to(v, device) for k, v in replay.items()}
     op_fn = logitless.linear_logprobs
     if backend != "auto":
 
