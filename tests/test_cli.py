@@ -47,9 +47,8 @@ def test_python_dash_m_version() -> None:
 def test_module_version_matches_pyproject() -> None:
     """The version is written twice (pyproject for the metadata, ``__version__`` for a source
     tree without it): they must agree."""
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     declared = tomllib.loads(pyproject.read_text())["project"]["version"]

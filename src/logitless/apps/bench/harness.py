@@ -392,7 +392,7 @@ def _csv_num(value: float | None) -> str:
 
 def now_timestamp() -> str:
     """UTC run timestamp (all rows of one run share it, so it doubles as a run id)."""
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def workloads_for(base: Workload, tokens: Sequence[int]) -> list[Workload]:
