@@ -56,7 +56,8 @@ def print_gaps(prof, tag: str) -> None:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
     ks = sorted(
         (e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset")),
         key=lambda e: e["ts"],
@@ -97,8 +98,10 @@ def correctness(dtype: torch.dtype) -> None:
     tor = run(logitless.linear_logprobs, backend="torch")
     ref = run(reference.linear_logprobs)
     truth = run(reference.linear_logprobs, cast=torch.float64)
-    for name, a, b, r, t in zip(("logp", "ent", "dh", "dW", "db"), tri, tor, ref, truth):
-        err = lambda x: float((x.detach().double() - t.double()).abs().max())  # noqa: E731
+    for name, a, b, r, t in zip(
+        ("logp", "ent", "dh", "dW", "db"), tri, tor, ref, truth, strict=True
+    ):
+        err = lambda x, t=t: float((x.detach().double() - t.double()).abs().max())  # noqa: E731
         print(
             f"correctness {str(dtype):15s} {name:5s} max|err| triton {err(a):.3e} "
             f"torch {err(b):.3e} reference {err(r):.3e}"

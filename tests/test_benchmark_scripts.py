@@ -1,0 +1,50 @@
+"""The scripts under ``benchmarks/`` run end to end on a tiny shape (their imports and argument
+handling rot silently otherwise: nothing else calls them). The figures they print are not
+checked here; only that each run finishes and reports both sides of its comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs the [trl] extra")
+def test_trl_step_runs(tmp_path):
+    out = _run(
+        "trl_step.py",
+        *("--vocab", "512", "--batch", "2", "--seq", "32", "--prompt", "8", "--repeats", "1"),
+        *("--csv", str(tmp_path / "trl_step.csv")),
+    )
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert {"trl", "logitless"} <= rows.keys(), out
+    assert rows["trl"][-1] == rows["logitless"][-1], "the two trainers' losses differ"
+    assert (tmp_path / "trl_step.csv").read_text().count("\n") == 3  # header + 2 rows
+
+
+def test_vocab_parallel_runs(tmp_path):
+    csv = tmp_path / "vp.csv"
+    out = _run(
+        "vocab_parallel.py",
+        *("--tokens", "64", "--hidden", "16", "--vocab", "300", "--tp", "1", "2"),
+        *("--repeats", "1", "--csv", str(csv)),
+    )
+    assert "tp=1:" in out and "tp=2:" in out, out
+    assert csv.exists()
