@@ -142,6 +142,7 @@ def main() -> None:
         print(f"{tag}: one bare matmul {mm:.2f} ms (floor4 {4 * mm:.1f}, floor3 {3 * mm:.1f})")
 
         for backend in ("triton", "torch"):
+
             def fwd(backend=backend):
                 with torch.no_grad():
                     logitless.linear_logprobs(
@@ -176,8 +177,13 @@ def main() -> None:
             def fused(backend=backend):
                 hidden.grad = weight.grad = None
                 loss, _ = logitless.fused_policy_loss(
-                    hidden.view(*rows2d, -1), weight, labels.view(rows2d), old, adv,
-                    config=cfg, backend=backend,
+                    hidden.view(*rows2d, -1),
+                    weight,
+                    labels.view(rows2d),
+                    old,
+                    adv,
+                    config=cfg,
+                    backend=backend,
                 )
                 loss.backward()
 
