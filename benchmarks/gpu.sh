@@ -48,10 +48,13 @@ stage bench-bf16 300 "${bench[@]}" --dtype bfloat16 --hidden 3584 --vocab 152064
 stage bench-fp32 200 "${bench[@]}" --tokens 8192
 stage bench-loss 170 "${bench[@]}" --task loss --dtype bfloat16 --hidden 3584 --vocab 152064 \
     --tokens 16384
+# Sampling replay against the full-vocabulary op (a 64-id mask, top_k=512 / top_p=0.95).
+stage bench-replay 200 "${bench[@]}" --task replay --dtype bfloat16 --hidden 3584 \
+    --vocab 152064 --tokens 16384
 # Kernel-level breakdown: no-grad forward vs one bare matmul, kernel times, syncs, memory.
 stage probe 110 python3 benchmarks/triton_probe.py --quick --skip-correctness
 
-stage demo 300 python3 -m logitless demo --device cuda --compare --plot "$out/demo.png" \
+stage demo 420 python3 -m logitless demo --device cuda --compare --plot "$out/demo.png" \
     --csv "$out/demo.csv" --quiet
 
 stage cpu-suite 400 python3 -m pytest -q -p no:cacheprovider -x -n 8 -rs
