@@ -18,12 +18,12 @@ they cover the group.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ._validate_replay import ReplayArgs
 from .kernels import Rows
 from .kernels.options import HeadOptions
 from .kernels.replay import ReplayPlan, replay_backward, replay_forward, restrict
+from .parallel import collectives
 
 
 def replay_metrics(plan: ReplayPlan, context_group: object | None = None) -> dict:
@@ -40,7 +40,7 @@ def replay_metrics(plan: ReplayPlan, context_group: object | None = None) -> dic
         ]
     )
     if context_group is not None:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=context_group)
+        sums = collectives.all_reduce(sums, context_group, "sum")
     size, added, count, mass_sum = sums.float().unbind()
     denom = count.clamp(min=1.0)
     out = {"replay_kept_size": size / denom, "replay_label_added": added}

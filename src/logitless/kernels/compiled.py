@@ -20,6 +20,7 @@ import torch
 from .._validate import check_head_args
 from ..types import LogProbs
 from . import backend_module, head_options, select_rows
+from .options import compute_dtype
 from .rows import Rows
 
 _NAMESPACE = "logitless"
@@ -40,11 +41,6 @@ def _head_args(
         head_dtype=head_dtype,
         backend=backend,
     )
-
-
-def _stats_dtype(hidden: torch.Tensor, head_dtype: torch.dtype | None) -> torch.dtype:
-    hd = head_dtype if head_dtype is not None else hidden.dtype
-    return torch.float64 if hd == torch.float64 else torch.float32
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::linear_logprobs", mutates_args=())
@@ -83,7 +79,7 @@ def _forward_fake(
     hidden, weight, labels, bias, temperature, temperature_tensor, softcap, with_entropy,
     ignore_index, chunk_size, head_dtype, backend,
 ):  # fmt: skip
-    dtype = _stats_dtype(hidden, head_dtype)
+    dtype = compute_dtype(head_dtype if head_dtype is not None else hidden.dtype)
     return tuple(hidden.new_empty(labels.shape, dtype=dtype) for _ in range(4))
 
 

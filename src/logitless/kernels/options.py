@@ -144,9 +144,14 @@ class HeadOptions:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """Softmax statistics, outputs and gradient accumulators: fp32, or float64 for a
-        float64 head (so ``gradcheck`` holds at float64 accuracy)."""
-        return torch.float64 if self.head_dtype == torch.float64 else torch.float32
+        """Softmax statistics, outputs and gradient accumulators: see :func:`compute_dtype`."""
+        return compute_dtype(self.head_dtype)
+
+
+def compute_dtype(head_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a head's softmax statistics, outputs and gradient accumulators: fp32, or
+    float64 for a float64 head (so ``gradcheck`` holds at float64 accuracy)."""
+    return torch.float64 if head_dtype == torch.float64 else torch.float32
 
 
 def finish_stats(

@@ -615,14 +615,7 @@ def replay_logprobs(
     return ReplayLogProbs(
         rows.scatter(logp),
         None if ent is None else rows.scatter(ent),
-        label_added=_scatter(rows, plan.label_added),
-        kept_size=_scatter(rows, plan.kept_size),
+        label_added=rows.scatter(plan.label_added),
+        kept_size=rows.scatter(plan.kept_size),
         log_kept_mass=None if plan.log_kept_mass is None else rows.scatter(plan.log_kept_mass),
     )
-
-
-def _scatter(rows: Rows, values: torch.Tensor) -> torch.Tensor:
-    """[M] per-row values (any dtype) -> the caller's shape, zero at ignored rows."""
-    if rows.index is not None:
-        values = values.new_zeros(rows.num_tokens).index_copy(0, rows.index, values)
-    return values.reshape(rows.batch_shape)

@@ -33,7 +33,7 @@ class Rows(NamedTuple):
         return flat if self.index is None else flat.index_select(0, self.index)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """[M] per-row values -> the caller's ``labels.shape``, 0.0 at ignored rows."""
+        """[M] per-row values (any dtype) -> the caller's ``labels.shape``, zero at ignored rows."""
         if self.index is not None:
             values = values.new_zeros(self.num_tokens).index_copy(0, self.index, values)
         return values.reshape(self.batch_shape)
