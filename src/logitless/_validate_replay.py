@@ -28,6 +28,7 @@ class ReplayArgs:
     ``[N + 1]`` int64), or per-position sampler parameters: ``top_k`` ``[N]`` int64 (values
     ``>= vocab_size`` mean no top-k), ``top_p`` ``[N]`` float64 in (0, 1], ``min_p`` ``[N]``
     float64 in [0, 1); an absent one is None. ``vocab_size``: the global vocabulary.
+    ``kernels.replay.restrict`` gives the same arguments over the call's valid rows only.
     """
 
     vocab_size: int
@@ -40,6 +41,21 @@ class ReplayArgs:
     @property
     def is_mask(self) -> bool:
         return self.mask_offsets is not None
+
+    def truncated(self) -> torch.Tensor:
+        """[N] bool: the position has a kept set smaller than the vocabulary (as far as
+        stated)."""
+        if self.mask_offsets is not None:
+            return self.mask_offsets[1:] > self.mask_offsets[:-1]
+        given = next(t for t in (self.top_k, self.top_p, self.min_p) if t is not None)
+        out = torch.zeros(given.numel(), dtype=torch.bool, device=given.device)
+        if self.top_k is not None:
+            out |= self.top_k < self.vocab_size
+        if self.top_p is not None:
+            out |= self.top_p < 1
+        if self.min_p is not None:
+            out |= self.min_p > 0
+        return out
 
 
 def _per_position(

@@ -37,36 +37,6 @@ from .rows import Rows
 from .topk_stream import DEFAULT_CANDIDATES, kept_from_candidates, stream_candidates
 
 
-@dataclass(frozen=True)
-class RowReplay:
-    """:class:`~logitless._validate_replay.ReplayArgs` restricted to the M valid rows.
-
-    mask_ids [E] / mask_offsets [M + 1] (global ids), or top_k / top_p / min_p [M] (None each
-    when absent).
-    """
-
-    vocab_size: int
-    mask_ids: torch.Tensor | None = None
-    mask_offsets: torch.Tensor | None = None
-    top_k: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None
-    min_p: torch.Tensor | None = None
-
-    def truncated(self) -> torch.Tensor:
-        """[M] bool: the row has a kept set smaller than the vocabulary (as far as stated)."""
-        if self.mask_offsets is not None:
-            return self.mask_offsets[1:] > self.mask_offsets[:-1]
-        given = next(t for t in (self.top_k, self.top_p, self.min_p) if t is not None)
-        out = torch.zeros(given.numel(), dtype=torch.bool, device=given.device)
-        if self.top_k is not None:
-            out |= self.top_k < self.vocab_size
-        if self.top_p is not None:
-            out |= self.top_p < 1
-        if self.min_p is not None:
-            out |= self.min_p > 0
-        return out
-
-
 def _csr_rows(ids: torch.Tensor, offsets: torch.Tensor, idx: torch.Tensor):
     """Rows ``idx`` of a CSR (ids, offsets): (ids [E'], offsets [len(idx) + 1], row [E'])."""
     counts = (offsets[1:] - offsets[:-1]).index_select(0, idx)
@@ -78,16 +48,17 @@ def _csr_rows(ids: torch.Tensor, offsets: torch.Tensor, idx: torch.Tensor):
     return ids.index_select(0, src), new_off, row
 
 
-def restrict(replay: ReplayArgs, rows: Rows) -> RowReplay:
-    """The replay arguments of the call's valid rows (``rows.index``; None: all rows)."""
+def restrict(replay: ReplayArgs, rows: Rows) -> ReplayArgs:
+    """The replay arguments of the call's valid rows (``rows.index``; None: all rows), as
+    :class:`ReplayArgs` over those M rows."""
     idx = rows.index
     if replay.is_mask:
         ids, off = replay.mask_ids, replay.mask_offsets
         if idx is not None:
             ids, off, _ = _csr_rows(ids, off, idx)
-        return RowReplay(replay.vocab_size, mask_ids=ids, mask_offsets=off)
+        return ReplayArgs(replay.vocab_size, mask_ids=ids, mask_offsets=off)
 
-    return RowReplay(
+    return ReplayArgs(
         replay.vocab_size,
         top_k=_take(replay.top_k, idx),
         top_p=_take(replay.top_p, idx),
@@ -278,7 +249,9 @@ def _select_entries(cand, count, labels, rows, vp) -> tuple[Entries, torch.Tenso
     return out, added
 
 
-def _replayed_rows(hidden, weight, bias, labels, labels_k, temp, opts, spec: RowReplay, mass: bool):
+def _replayed_rows(
+    hidden, weight, bias, labels, labels_k, temp, opts, spec: ReplayArgs, mass: bool
+):
     """Replay the sampler on R rows: their statistics over the kept sets and this rank's
     kept entries (int32 rows / local ids) for backward.
 
@@ -360,7 +333,7 @@ def replay_forward(
     labels_k: torch.Tensor,
     temp: torch.Tensor | None,
     opts: HeadOptions,
-    spec: RowReplay,
+    spec: ReplayArgs,
     *,
     with_kept_mass: bool,
     keep_tile: bool = False,
@@ -418,7 +391,7 @@ def replay_forward(
                     )
         else:
             sub = _sub_options(opts, n_t, vocab, dev)
-            spec_t = RowReplay(
+            spec_t = ReplayArgs(
                 spec.vocab_size,
                 top_k=_take(spec.top_k, trunc),
                 top_p=_take(spec.top_p, trunc),
