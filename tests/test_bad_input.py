@@ -179,6 +179,46 @@ def test_rollout_log_prob_of_minus_inf_keeps_everything_finite():
         assert bool(torch.isfinite(v)), k
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["policy_loss", "fused"])
+def test_nan_advantage_of_a_sequence_with_no_trained_token_is_data(fused):
+    """A trainer masks out a sample whose reward failed (NaN): its per-sequence advantage is
+    NaN but reaches nothing, so the call proceeds (issue 21), with finite loss, gradients and
+    metrics equal to the call without that sample; a NaN that reaches the loss still raises."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 5, 8, generator=g)
+    weight = torch.randn(30, 8, generator=g)
+    labels = torch.randint(0, 30, (3, 5), generator=g)
+    labels[1] = -100  # sample 1: no trained token
+    old = torch.full((3, 5), -3.0)
+    cfg = PolicyLossConfig(entropy_coef=0.01)
+
+    def run(adv: torch.Tensor, labels: torch.Tensor):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            loss, metrics = logitless.fused_policy_loss(h, w, labels, old, adv, config=cfg)
+        else:
+            out = logitless.linear_logprobs(h, w, labels, with_entropy=True)
+            loss, metrics = logitless.policy_loss(
+                out.logprobs, old, adv, labels != -100, config=cfg, entropy=out.entropy
+            )
+        loss.backward()
+        return loss, metrics, h.grad, w.grad
+
+    nan_adv = torch.tensor([1.0, float("nan"), -0.5])
+    got = run(nan_adv, labels)
+    want = run(torch.tensor([1.0, 0.0, -0.5]), labels)
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for k in got[1]:
+        torch.testing.assert_close(got[1][k], want[1][k], msg=k)
+    torch.testing.assert_close(got[2], want[2])
+    torch.testing.assert_close(got[3], want[3])
+    used = labels.clone()
+    used[1, 2] = 4  # one trained token: the NaN now reaches the loss
+    with pytest.raises(ValueError, match="advantages must be finite; 1 value"):
+        run(nan_adv, used)
+
+
 def test_nan_reward_is_refused():
     with pytest.raises(ValueError, match="rewards must be finite"):
         grpo_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), group_size=2)

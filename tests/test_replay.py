@@ -526,6 +526,20 @@ def test_top_p_one_and_top_k_at_least_v_are_the_full_vocabulary():
     assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.kept_size, b.kept_size)
 
 
+@pytest.mark.parametrize("k", [2**62, 2**63, 2**200])
+def test_top_k_beyond_int64_means_not_truncated(k):
+    """Any top_k >= V keeps the whole row, also one that no int64 holds (issue 21: it raised
+    torch's raw overflow error from deep inside)."""
+    inp = _inputs(Case("topk"))
+    h, w, y = inp["hidden"], inp["weight"], inp["labels"]
+    got = logitless.linear_logprobs(h, w, y, top_k=k, with_entropy=True)
+    want = logitless.linear_logprobs(h, w, y, with_entropy=True)
+    assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.entropy, want.entropy)
+    assert int(got.kept_size.max()) == w.shape[0]
+    ref = reference.linear_logprobs(h, w, y, top_k=k)
+    torch.testing.assert_close(ref.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_label_added_is_counted_and_changes_the_normalizer():
     """A label outside the kept set is added to it: logp = z_y - logsumexp(z[K ∪ {y}])."""
     hidden = torch.zeros(2, 1)
@@ -586,6 +600,67 @@ def test_backward_twice_with_retain_graph():
     loss.backward()
     torch.testing.assert_close(h.grad, 2 * first[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(w.grad, 2 * first[1], rtol=0, atol=1e-5)
+
+
+_FLOAT64_REPLAYS = {
+    "mask": lambda n: {"sampling_mask": _distinct_ids(n, 4, 13, empty_row=5)},
+    "topk_topp": lambda n: {"top_k": 5, "top_p": 0.9},
+    "topp_minp": lambda n: {"top_p": 0.7, "min_p": 0.05},
+    "topk_per_row": lambda n: {"top_k": torch.tensor([3, 100, 7, 2, 13, 4]).repeat(n)[:n]},
+}
+
+
+def _distinct_ids(n: int, k: int, vocab: int, *, empty_row: int) -> torch.Tensor:
+    """[n, k] padded kept ids, distinct in each row, one row empty (not truncated)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n)])
+    ids[empty_row] = -1
+    return ids
+
+
+@pytest.mark.parametrize("kind", list(_FLOAT64_REPLAYS), ids=list(_FLOAT64_REPLAYS))
+def test_float64_head_gradcheck(kind):
+    """A float64 head with replay computes in float64 (issue 21: the replay buffers, the
+    kept-entry logits and the streaming candidates were fp32, 5e-7 off), so finite differences
+    hold at gradcheck's float64 tolerances, with bias, softcap, temperature, an ignored row
+    and (for a mask) an untruncated row."""
+    g = torch.Generator().manual_seed(3)
+    n, vocab = 9, 13
+    hidden = torch.randn(n, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(vocab, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[2] = -100
+    replay = _FLOAT64_REPLAYS[kind](n)
+
+    def fn(h, w, b):
+        out = logitless.linear_logprobs(
+            h, w, labels, bias=b, softcap=3.0, temperature=0.7, with_entropy=True,
+            with_kept_mass=True, chunk_size=4, **replay,
+        )  # fmt: skip
+        assert out.logprobs.dtype == out.entropy.dtype == out.log_kept_mass.dtype
+        assert out.logprobs.dtype == torch.float64
+        return out.logprobs, out.entropy
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+    # the fused loss over the same kept sets: float64 loss, gradients equal to the composed
+    old = torch.zeros(n, dtype=torch.float64).masked_fill(labels != -100, -2.0)
+    adv = torch.randn(n, dtype=torch.float64, generator=g)
+    cfg = PolicyLossConfig(entropy_coef=0.01)
+    kw = dict(bias=bias, softcap=3.0, temperature=0.7, **replay)
+    docs = torch.zeros(n, dtype=torch.int64)
+    loss, _ = logitless.fused_policy_loss(
+        hidden, weight, labels, old, adv, config=cfg, document_ids=docs, **kw
+    )
+    assert loss.dtype == torch.float64
+    grads = torch.autograd.grad(loss, (hidden, weight, bias))
+    out = logitless.linear_logprobs(hidden, weight, labels, with_entropy=True, **kw)
+    want, _ = logitless.policy_loss(
+        out.logprobs, old, adv, labels != -100, config=cfg, document_ids=docs,
+        entropy=out.entropy,
+    )  # fmt: skip
+    for got, exp in zip(grads, torch.autograd.grad(want, (hidden, weight, bias)), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-13)
 
 
 def test_unpacks_like_logprobs():
@@ -836,6 +911,7 @@ def _bad_calls():
             ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
             ({"top_p": torch.ones(3)}, "not broadcastable"),
             ({"top_p": torch.ones(4, requires_grad=True)}, "must not require grad"),
+            ({"top_k": -(2**70)}, "top_k must be >= 1"),
             ({"min_p": 1.0}, r"min_p must be in \[0, 1\)"),
             ({"min_p": -0.1}, r"min_p must be in \[0, 1\)"),
             ({"top_k": 3, "sampling_mask": torch.zeros(4, 1, dtype=torch.long)}, "not both"),

@@ -250,6 +250,8 @@ COMBOS = {
 # TRL's vLLM importance-sampling correction (use_vllm needs vLLM at construction: set after)
 for _mode, _low, _high in (
     ("token_truncate", 0.8, 1.2),
+    ("token_truncate", 0.0, 1.2),  # TRL accepts a floor of 0: no floor (issue 21)
+    ("token_mask", 0.0, 1.5),
     ("token_mask", 0.85, 1.15),
     ("sequence_truncate", 0.9, 1.1),
     ("sequence_mask", None, 3.0),  # TRL's default
@@ -424,6 +426,30 @@ def _initial(model_dir, _cache={}):  # noqa: B006 (a per-process cache)
 def test_unsupported_options_raise_before_training(options, match, model_dir, tmp_path):
     with pytest.raises(ValueError, match=match):
         _trainer(LogitlessGRPOTrainer, model_dir, _args(tmp_path, **options))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"epsilon": -0.5}, r"cannot honour epsilon=-0\.5"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, r"sapo_temperature_neg=0\.0"),
+    ],
+)
+def test_an_option_that_maps_to_an_invalid_value_is_named(options, match, tmp_path):
+    """The error names the TRL option the user set, not the logitless field it became."""
+    with pytest.raises(ValueError, match=match):
+        grpo_loss_config(_args(tmp_path, **options))
+
+
+def test_floor_of_zero_is_no_floor(tmp_path):
+    args = _args(
+        tmp_path,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=0.0,
+    )
+    assert grpo_loss_config(args).mismatch_is_floor is None
 
 
 def test_unsupported_model_and_later_changes_raise(tmp_path, model_dir):

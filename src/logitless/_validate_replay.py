@@ -65,8 +65,12 @@ def _per_position(
     device: torch.device,
     *,
     integer: bool,
+    cap: int = 0,
 ) -> torch.Tensor:
-    """A scalar or a tensor broadcastable to ``batch_shape`` -> ``[N]`` (int64 or float64)."""
+    """A scalar or a tensor broadcastable to ``batch_shape`` -> ``[N]`` (int64 or float64).
+
+    ``cap``: an integer scalar above it is stored as ``cap`` (the vocabulary size: any
+    ``top_k >= V`` means "not truncated", however large)."""
     n = math.prod(batch_shape)
     if isinstance(value, torch.Tensor):
         if integer and value.dtype not in _INT_DTYPES:
@@ -96,7 +100,13 @@ def _per_position(
     if integer:
         if not isinstance(value, int):
             raise ValueError(f"{name} must be an int or an integer tensor, got {value!r}")
-        return torch.full((n,), value, dtype=torch.int64, device=device)
+        if value < 1:
+            raise ValueError(
+                f"{name} must be >= 1 (use a value >= the vocabulary size for no top-k), got "
+                f"{value}"
+            )
+        # Any k >= V keeps the whole row: clamp, so a k beyond int64 means the same.
+        return torch.full((n,), min(value, cap), dtype=torch.int64, device=device)
     if not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a float or a floating tensor, got {value!r}")
     return torch.full((n,), float(value), dtype=torch.float64, device=device)
@@ -237,7 +247,9 @@ def check_replay_args(
                 )
         return ReplayArgs(vocab_size=vocab_size, mask_ids=ids, mask_offsets=offsets)
 
-    k = None if top_k is None else _per_position("top_k", top_k, shape, device, integer=True)
+    k = None if top_k is None else _per_position(
+        "top_k", top_k, shape, device, integer=True, cap=vocab_size
+    )
     p = None if top_p is None else _per_position("top_p", top_p, shape, device, integer=False)
     mp = None if min_p is None else _per_position("min_p", min_p, shape, device, integer=False)
     zero = torch.zeros((), dtype=torch.int64, device=device)

@@ -190,6 +190,8 @@ def _mismatch_options(o: _Options) -> dict[str, Any]:
     level, kind = mode.split("_") if mode.count("_") == 1 else (None, None)
     if level not in ("token", "sequence") or kind not in ("truncate", "mask"):
         raise _unsupported(f"vllm_importance_sampling_mode={mode!r}", "an unknown mode")
+    # A bound at or below 0 never binds a positive ratio: no floor (TRL accepts clip_min=0).
+    low = None if low is None or low <= 0 else low
     out: dict[str, Any] = {"mismatch_is": level, "mismatch_is_cap": high}
     if kind == "truncate":  # clamp(ρ, C_min, C_max)
         out["mismatch_is_floor"] = low
@@ -199,6 +201,53 @@ def _mismatch_options(o: _Options) -> dict[str, Any]:
         out["mismatch_seq_mask"] = "product"
         out["mismatch_seq_mask_range"] = (low or 0.0, high)
     return out
+
+
+# PolicyLossConfig field -> the TRL options it is made of (named when a value is refused).
+_TRL_SOURCES = {
+    "clip_low": ("epsilon",),
+    "clip_high": ("epsilon_high",),
+    "dual_clip": ("delta",),
+    "sapo_tau_pos": ("sapo_temperature_pos",),
+    "sapo_tau_neg": ("sapo_temperature_neg",),
+    "norm_length": ("max_completion_length",),
+    "kl_coef": ("beta",),
+    "entropy_coef": ("entropy_coef",),
+    "mismatch_is_cap": ("vllm_importance_sampling_clip_max",),
+    "mismatch_is_floor": (
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ),
+    "mismatch_token_mask": (
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ),
+    "mismatch_seq_mask_range": (
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ),
+}
+
+
+def _trl_config(o: _Options, kw: dict[str, Any]) -> PolicyLossConfig:
+    """``PolicyLossConfig(**kw)``; a value it refuses is reported as the TRL option(s) it
+    came from, with their values (the user never set the logitless field)."""
+    try:
+        return PolicyLossConfig(**kw)
+    except ValueError as e:
+        field = next((f for f in _TRL_SOURCES if str(e).startswith(f)), None)
+        if field is None:
+            raise
+        sources = _TRL_SOURCES[field]
+        if field in ("clip_low", "clip_high") and o.loss_type == "cispo":
+            sources = ("epsilon_high",)
+        named = ", ".join(f"{name}={_trl_value(o, name)!r}" for name in sources)
+        raise _unsupported(named, f"it maps to an invalid logitless value ({e})") from None
+
+
+def _trl_value(o: _Options, name: str) -> Any:
+    """The value of TRL option ``name`` in ``o`` (``epsilon`` is stored as epsilon_low)."""
+    return o.epsilon_low if name == "epsilon" else getattr(o, name)
 
 
 def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
@@ -287,7 +336,7 @@ def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
     if o.entropy_bonus:
         kw.update(entropy_coef=o.entropy_coef, entropy_aggregation="token_mean")
     kw.update(_mismatch_options(o))
-    return PolicyLossConfig(**kw)
+    return _trl_config(o, kw)
 
 
 def _model_problem(model: nn.Module) -> str | None:

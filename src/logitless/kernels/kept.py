@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ..parallel.vocab import VocabParallel
-from .options import HeadOptions, finish_stats
+from .options import HeadOptions, compute_dtype, finish_stats
 
 # Elements of one gathered [chunk, H] fp32 block (2 MiB): the weight rows, then the hidden rows.
 # Small on purpose: the gathers are memory-bound either way, and what the step allocates
@@ -75,8 +75,9 @@ def _chunks(num: int, dim: int) -> list[tuple[int, int]]:
 
 
 def _rows_in(t: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``idx`` of ``t`` rounded to ``dtype`` (the projection dtype), as fp32."""
-    return t.index_select(0, idx).to(dtype).float()
+    """Rows ``idx`` of ``t`` rounded to ``dtype`` (the projection dtype), in its compute dtype
+    (fp32; float64 for a float64 head)."""
+    return t.index_select(0, idx).to(dtype).to(compute_dtype(dtype))
 
 
 def _entry_temperature(temp: torch.Tensor | None, rows: torch.Tensor, opts: HeadOptions):
@@ -102,14 +103,14 @@ def entry_logits(
     are exact there), accumulating in fp32.
     """
     num = ids.numel()
-    z = torch.empty(num, device=hidden.device)
     hd = opts.head_dtype
+    z = torch.empty(num, device=hidden.device, dtype=opts.compute_dtype)
     for s, e in _chunks(num, hidden.shape[1]):
         w = _rows_in(weight, ids[s:e], hd)
         w.mul_(_rows_in(hidden, rows[s:e], hd))
         z[s:e] = w.sum(1)
     if bias is not None:
-        z += bias.index_select(0, ids).to(hd).float()
+        z += bias.index_select(0, ids).to(hd).to(z.dtype)
     if opts.softcap is not None:
         z.div_(opts.softcap).tanh_().mul_(opts.softcap)
     return z.mul_(_entry_temperature(temp, rows, opts))
@@ -128,15 +129,15 @@ def kept_stats(
     """
     dev = entries.z.device
     z, rows = entries.z, entries.rows
-    m = torch.full((num_rows,), float("-inf"), device=dev)
+    m = torch.full((num_rows,), float("-inf"), device=dev, dtype=z.dtype)
     m.scatter_reduce_(0, rows.long(), z, "amax", include_self=True)
     if vp is not None:
         m = torch.where(torch.isfinite(m), m, _NO_ENTRY)
     d = z - m.index_select(0, rows)  # <= 0
     ex = d.exp()
-    s = torch.zeros(num_rows, device=dev).index_add_(0, rows, ex)
-    q = torch.zeros(num_rows, device=dev).index_add_(0, rows, ex * d) if with_entropy else None
-    zy = torch.zeros(num_rows, device=dev)
+    s = z.new_zeros(num_rows).index_add_(0, rows, ex)
+    q = z.new_zeros(num_rows).index_add_(0, rows, ex * d) if with_entropy else None
+    zy = z.new_zeros(num_rows)
     zy.index_add_(0, rows[entries.is_label], z[entries.is_label])
     return finish_stats(m, s, q, zy, vp)
 
@@ -149,11 +150,11 @@ class KeptGrads:
     parameters, in an fp32 buffer over the touched rows only, added once at the end.
     """
 
-    def __init__(self, hidden, weight, bias, needs, dw=None, db=None) -> None:
+    def __init__(self, hidden, weight, bias, needs, cd: torch.dtype, dw=None, db=None) -> None:
         need_h, need_w, need_b = needs
         dev = hidden.device
-        self.weight, self.bias = weight, bias
-        self.dh = torch.zeros(hidden.shape, device=dev) if need_h else None
+        self.weight, self.bias, self.cd = weight, bias, cd
+        self.dh = torch.zeros(hidden.shape, device=dev, dtype=cd) if need_h else None
         self.need_w = need_w
         self.need_b = need_b and bias is not None
         self.dw, self.db = dw, db
@@ -165,7 +166,7 @@ class KeptGrads:
         rows, ids = entries.rows, entries.ids
         num, dim = ids.numel(), hidden.shape[1]
         dev = hidden.device
-        fp32 = self.weight.dtype == torch.float32
+        fp32 = self.weight.dtype == self.cd  # accumulate in place
         target = slot = uniq = None
         if self.need_w:
             if fp32:
@@ -174,8 +175,8 @@ class KeptGrads:
                 target, slot = self.dw, ids
             else:
                 uniq, slot = torch.unique(ids.long(), return_inverse=True)
-                target = torch.zeros(uniq.numel(), dim, device=dev)
-        db = torch.zeros(self.bias.shape, device=dev) if self.need_b else None
+                target = torch.zeros(uniq.numel(), dim, device=dev, dtype=self.cd)
+        db = torch.zeros(self.bias.shape, device=dev, dtype=self.cd) if self.need_b else None
         for s, e in _chunks(num, dim):
             dz = grad_of(Entries(rows[s:e], ids[s:e], entries.z[s:e], entries.is_label[s:e]))
             if self.dh is not None:
@@ -189,9 +190,9 @@ class KeptGrads:
         if target is not None and not fp32:
             if self.dw is None:
                 self.dw = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
-            self.dw[uniq] = (self.dw[uniq].float() + target).to(self.dw.dtype)
+            self.dw[uniq] = (self.dw[uniq].to(self.cd) + target).to(self.dw.dtype)
         if db is not None:
-            self.db = db.to(self.bias.dtype) if self.db is None else (self.db.float() + db)
+            self.db = db.to(self.bias.dtype) if self.db is None else (self.db.to(self.cd) + db)
 
 
 def entry_grads(

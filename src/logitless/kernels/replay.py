@@ -145,7 +145,7 @@ def _with_labels(entries: Entries, labels: torch.Tensor, num_rows: int):
     added = has == 0
     rows_a = torch.nonzero(added).squeeze(1)
     ids_a = labels.index_select(0, rows_a)
-    z_a = torch.full((rows_a.numel(),), float("nan"), device=labels.device)
+    z_a = entries.z.new_full((rows_a.numel(),), float("nan"))
     merged = Entries(
         torch.cat([entries.rows, rows_a]),
         torch.cat([entries.ids, ids_a]),
@@ -163,7 +163,7 @@ def _mask_entries(hidden, weight, bias, labels, temp, opts, ids, offsets):
     num_rows = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]
     rows = torch.repeat_interleave(torch.arange(num_rows, device=ids.device), counts)
-    nan = torch.full((ids.numel(),), float("nan"), device=ids.device)
+    nan = torch.full((ids.numel(),), float("nan"), device=ids.device, dtype=opts.compute_dtype)
     entries = Entries(rows, ids, nan, torch.zeros_like(ids, dtype=torch.bool))
     entries, added = _with_labels(entries, labels, num_rows)
     local = _local(entries, vp)
@@ -230,7 +230,7 @@ def _select_entries(cand, count, labels, rows, vp) -> tuple[Entries, torch.Tenso
     out = Entries(
         torch.empty(total, dtype=torch.int32, device=dev),
         torch.empty(total, dtype=torch.int32, device=dev),
-        torch.empty(total, device=dev),
+        torch.empty(total, device=dev, dtype=cand.vals.dtype),
         torch.empty(total, dtype=torch.bool, device=dev),
     )
     at = 0
@@ -273,12 +273,13 @@ def _replayed_rows(
     # The whole row's log-sum-exp: for the kept-mass report, and for a top-p that no top-k
     # bounds (it renormalizes over the whole row); otherwise the pass skips it.
     with_mass = mass or (spec.top_p is not None and bool((unbound & (spec.top_p < 1)).any()))
-    logp = torch.empty(num_rows, device=dev)
-    lse = torch.empty(num_rows, device=dev)
-    ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
+    cd = opts.compute_dtype
+    logp = torch.empty(num_rows, device=dev, dtype=cd)
+    lse = torch.empty(num_rows, device=dev, dtype=cd)
+    ent = torch.empty(num_rows, device=dev, dtype=cd) if opts.with_entropy else None
     added = torch.zeros(num_rows, dtype=torch.bool, device=dev)
     size = torch.zeros(num_rows, dtype=torch.int64, device=dev)
-    lse_full = torch.empty(num_rows, device=dev)
+    lse_full = torch.empty(num_rows, device=dev, dtype=cd)
     parts: list[Entries] = []
     pending = None  # None: every row
     while True:
@@ -350,11 +351,12 @@ def replay_forward(
     vp = opts.vocab_parallel
     trunc, full, n_t = _split(spec.truncated())
     has_trunc, has_full = n_t > 0, n_t < num_rows
-    logp = torch.zeros(num_rows, device=dev)
-    ent = torch.zeros(num_rows, device=dev) if opts.with_entropy else None
+    cd = opts.compute_dtype
+    logp = torch.zeros(num_rows, device=dev, dtype=cd)
+    ent = torch.zeros(num_rows, device=dev, dtype=cd) if opts.with_entropy else None
     added = torch.zeros(num_rows, dtype=torch.bool, device=dev)
     size = torch.full((num_rows,), spec.vocab_size, dtype=torch.int64, device=dev)
-    kept_mass = torch.zeros(num_rows, device=dev) if with_kept_mass else None
+    kept_mass = torch.zeros(num_rows, device=dev, dtype=cd) if with_kept_mass else None
 
     full_lse = full_ent = full_opts = tile = None
     if has_full:
@@ -450,7 +452,10 @@ def replay_backward(
     grad_ent = grad_ent if use_ent else None
     # Every row truncated: the kept-entry accumulator is the whole hidden gradient.
     only_kept = plan.has_trunc and not plan.has_full and plan.trunc is None
-    dh = torch.zeros(hidden.shape, device=hidden.device) if needs[0] and not only_kept else None
+    cd = opts.compute_dtype
+    dh = None
+    if needs[0] and not only_kept:
+        dh = torch.zeros(hidden.shape, device=hidden.device, dtype=cd)
     dw = db = None
     if plan.has_full:
         tile, plan.full_tile = plan.full_tile, None  # consumed: a second backward recomputes
@@ -469,7 +474,7 @@ def replay_backward(
             tile,
         )
         if dh is not None:
-            _put(dh, plan.full, dh_f.float())
+            _put(dh, plan.full, dh_f.to(cd))
     if plan.has_trunc:
         trunc = plan.trunc
         h_t = _take(hidden, trunc)
@@ -478,7 +483,7 @@ def replay_backward(
         def grad_of(chunk: Entries) -> torch.Tensor:
             return entry_grads(chunk, plan.trunc_lse, plan.trunc_ent, g_t, e_t, temp_t, opts)
 
-        acc = KeptGrads(h_t, weight, bias, needs, dw=dw, db=db)
+        acc = KeptGrads(h_t, weight, bias, needs, cd, dw=dw, db=db)
         acc.add(h_t, weight, plan.entries, grad_of, opts.head_dtype)
         if acc.dh is not None:
             if vp is not None:

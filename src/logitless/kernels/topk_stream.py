@@ -108,7 +108,7 @@ class _RunningTopK:
         self.cap, self.sparse = cap, sparse
         self.vals, self.ids, self.extra = vals.fill_(float("-inf")), ids.fill_(-1), extra.zero_()
         self.width = max(64, cap // 2)
-        self.buf_v = torch.full((rows, self.width), float("-inf"), device=device)
+        self.buf_v = torch.full((rows, self.width), float("-inf"), device=device, dtype=vals.dtype)
         self.buf_i = torch.full((rows, self.width), -1, dtype=torch.int32, device=device)
         self.fill = torch.zeros(rows, dtype=torch.int64, device=device)
         self.full = False  # every row holds C finite candidates
@@ -244,18 +244,20 @@ def stream_candidates(
     sched = Schedule.choose(num_rows, sched_vocab, dev, rows_per)
     sparse = _host_filter(dev)
     h_all = hidden.to(opts.head_dtype)
-    out_v = torch.empty(num_rows, cap, device=dev)
+    cd = opts.compute_dtype
+    out_v = torch.empty(num_rows, cap, device=dev, dtype=cd)
     out_i = torch.empty(num_rows, cap, dtype=torch.int32, device=dev)
     out_x = torch.empty(num_rows, dtype=torch.int64, device=dev)
-    lse = torch.empty(num_rows, device=dev)
-    zy = torch.empty(num_rows, device=dev)
-    buf = torch.empty(min(sched.rows, max(num_rows, 1)) * min(sched.vocab_block, vocab), device=dev)
+    lse = torch.empty(num_rows, device=dev, dtype=cd)
+    zy = torch.empty(num_rows, device=dev, dtype=cd)
+    tile = min(sched.rows, max(num_rows, 1)) * min(sched.vocab_block, vocab)
+    buf = torch.empty(tile, device=dev, dtype=cd)
     for r0, r1 in sched.row_chunks(num_rows):
         n = r1 - r0
         t_rows = None if temp is None else temp[r0:r1]
         top = _RunningTopK(out_v[r0:r1], out_i[r0:r1], out_x[r0:r1], sparse)
         stats = _OnlineStats(labels[r0:r1], with_entropy=False)
-        zy_c = torch.zeros(n, device=dev)
+        zy_c = torch.zeros(n, device=dev, dtype=cd)
         for v0, v1 in sched.vocab_blocks(vocab):
             z = buf[: n * (v1 - v0)].view(n, v1 - v0)
             w, b = _weight_block(weight, bias, v0, v1, opts.head_dtype)
@@ -325,7 +327,7 @@ def kept_from_candidates(
         kth = vals.gather(1, (top_k.clamp(1, cap) - 1)[:, None])[:, 0]
         t0 = torch.where(binding, kth, neg_inf)
     if min_p is not None:
-        t_min = top + torch.log(min_p.clamp(min=1e-300)).float()
+        t_min = top + torch.log(min_p.clamp(min=1e-300)).to(top.dtype)
         t0 = torch.maximum(t0, torch.where(min_p > 0, t_min, neg_inf))
 
     def fits(t: torch.Tensor) -> torch.Tensor:

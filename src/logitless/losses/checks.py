@@ -321,7 +321,12 @@ def _read_values(
     if adv_len is None:
         counters.append((valid & ~advantages.reshape(-1).isfinite()).sum())
     else:
-        counters.append((~advantages.isfinite()).sum())
+        # Only the advantages of documents with a token that counts reach the loss: a NaN
+        # reward of a sample the trainer masked out entirely is not an error.
+        used = torch.zeros(adv_len + 1, dtype=torch.bool, device=advantages.device)
+        slot = torch.where(valid & (ids < adv_len), ids, adv_len)  # others: a spare slot
+        used.scatter_(0, slot, True)
+        counters.append((used[:-1] & ~advantages.isfinite()).sum())
     names.append("advantages")
     if normalizer is not None:
         # this call's valid tokens and documents with one (first valid token of each id)
