@@ -552,6 +552,27 @@ def test_policy_loss_derives_packed_documents():
 # labels
 
 
+def test_hf_style_labels_give_the_models_own_loss():
+    """transformers' ``labels`` are unshifted (``model(ids, labels=ids)`` shifts them). The
+    integration takes ``target_ids`` aligned like the logits, and ``causal_lm_labels`` turns
+    HF-style labels (prompt masked with -100, right padding masked) into them: the mean
+    negative log-prob is then exactly the model's own ``.loss`` (issue 21)."""
+    model = _model("qwen3")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, V, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding
+    hf_labels = ids.masked_fill(mask == 0, IGNORE)
+    hf_labels[:, :3] = IGNORE  # the prompt
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, labels=hf_labels, use_cache=False).loss
+        targets = hf.causal_lm_labels(hf_labels, attention_mask=mask)
+        out = hf.causal_lm_logprobs(model, ids, attention_mask=mask, target_ids=targets)
+    valid = targets != IGNORE
+    assert int(valid.sum()) == int((hf_labels[:, 1:] != IGNORE).sum())
+    torch.testing.assert_close(-out.logprobs[valid].mean(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_labels_hand_worked():
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 8, 0, 0]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
@@ -625,17 +646,27 @@ def _bad_cases(model):
             lambda: hf.causal_lm_logprobs(model, ids, position_ids=torch.tensor([[0, 2] * 3] * 2)),
             "position",
         ),
-        "labels shape": (
-            lambda: hf.causal_lm_logprobs(model, ids, labels=ids[:, :5]),
-            "labels",
+        "target_ids shape": (
+            lambda: hf.causal_lm_logprobs(model, ids, target_ids=ids[:, :5]),
+            "target_ids",
         ),
-        "labels range": (
-            lambda: hf.causal_lm_logprobs(model, ids, labels=ids + V),
+        "target_ids range": (
+            lambda: hf.causal_lm_logprobs(model, ids, target_ids=ids + V),
             r"labels must be in \[0, 384\)",
         ),
-        "labels and response_mask": (
-            lambda: hf.causal_lm_logprobs(model, ids, labels=ids, response_mask=ok.bool()),
+        "target_ids and response_mask": (
+            lambda: hf.causal_lm_logprobs(model, ids, target_ids=ids, response_mask=ok.bool()),
             "not both",
+        ),
+        "HF-style labels": (
+            lambda: hf.causal_lm_logprobs(model, ids, labels=ids),
+            r"labels= is not accepted.*unshifted.*target_ids=causal_lm_labels\(labels",
+        ),
+        "HF-style labels, loss": (
+            lambda: hf.causal_lm_policy_loss(
+                model, ids, ok.float(), torch.zeros(2), config=PolicyLossConfig(), labels=ids
+            ),
+            r"labels= is not accepted",
         ),
         "response_mask dtype": (
             lambda: hf.causal_lm_logprobs(model, ids, response_mask=ok),

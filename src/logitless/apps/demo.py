@@ -429,7 +429,7 @@ def token_logprobs(
         return _naive_logprobs(model, ids, labels, with_entropy)
     from ..integrations.hf import causal_lm_logprobs
 
-    out = causal_lm_logprobs(model, ids, labels=labels, with_entropy=with_entropy)
+    out = causal_lm_logprobs(model, ids, target_ids=labels, with_entropy=with_entropy)
     return out.logprobs, out.entropy
 
 
@@ -512,7 +512,7 @@ def step_loss(
         batch.old_logprobs,
         batch.advantages,
         config=loss_config,
-        labels=batch.labels,
+        target_ids=batch.labels,
         ref_logprobs=batch.ref_logprobs,
     )
 

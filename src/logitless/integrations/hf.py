@@ -17,9 +17,12 @@ Anything else, including a subclass that overrides ``forward``, a head that is n
 refused with ``ValueError`` rather than risk different numbers.
 
 **Alignment.** Results have ``input_ids``' shape ``[B, T]`` and are aligned like HF's logits:
-position ``t`` holds ``log p(labels[:, t] | input_ids[:, :t + 1])``, with the default labels
-``labels[:, t] = input_ids[:, t + 1]`` (:func:`causal_lm_labels`). Positions without a label
-are 0.0 and cost nothing: they are dropped before the head projection.
+position ``t`` holds ``log p(target_ids[:, t] | input_ids[:, :t + 1])``, with the default
+targets ``target_ids[:, t] = input_ids[:, t + 1]`` (:func:`causal_lm_labels`). Positions
+without a target are 0.0 and cost nothing: they are dropped before the head projection. The
+targets are named ``target_ids``, not ``labels``: transformers' ``labels`` are *unshifted*
+(``model(input_ids, labels=input_ids)`` shifts them itself), so ``labels=`` is refused with
+that explanation; ``causal_lm_labels(hf_labels)`` turns HF-style labels into targets.
 
 **Padding and packing.** Labels never cross a padding token (``attention_mask == 0``) or a
 document boundary (``position_ids`` restarting at 0, or ``cu_seqlens``). Whether *attention*
@@ -365,6 +368,16 @@ def causal_lm_labels(
 
 
 def _check_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+    if "labels" in model_kwargs:
+        raise ValueError(
+            "labels= is not accepted, because it would mean something else than in "
+            "transformers: model(input_ids, labels=...) takes labels *unshifted* (labels[:, t] "
+            "is the token at position t, and the model shifts them), while logitless aligns "
+            "its targets like the logits (position t scores the next token). Pass "
+            "target_ids= aligned like the logits instead: the default is "
+            "causal_lm_labels(input_ids, ...); HF-style labels (-100 at the tokens not to "
+            "train on) become target_ids=causal_lm_labels(labels, attention_mask=...)."
+        )
     reserved = sorted(_RESERVED_KWARGS.intersection(model_kwargs))
     if reserved:
         raise ValueError(
@@ -418,7 +431,7 @@ def _prepare(
     model: nn.Module,
     input_ids: torch.Tensor,
     *,
-    labels: torch.Tensor | None,
+    target_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
@@ -431,7 +444,7 @@ def _prepare(
     model_kwargs: dict[str, Any],
     replay: dict[str, Any] | None = None,
 ) -> _Prepared:
-    """Every check that needs no FLOP, before the backbone runs: model, inputs, labels, the
+    """Every check that needs no FLOP, before the backbone runs: model, inputs, targets, the
     head contract (one check: label range, temperature, dtypes, devices, backend) and the
     sampling replay arguments ``replay``."""
     check_chunk_size(chunk_size)
@@ -443,7 +456,7 @@ def _prepare(
         raise ValueError(
             f"input_ids must be on the model's device {head.weight.device}, got {input_ids.device}"
         )
-    if labels is None:
+    if target_ids is None:
         labels = causal_lm_labels(
             input_ids,
             attention_mask=attention_mask,
@@ -455,12 +468,15 @@ def _prepare(
     else:
         if response_mask is not None:
             raise ValueError(
-                "give labels or response_mask, not both: with explicit labels, set the "
+                "give target_ids or response_mask, not both: with explicit target_ids, set the "
                 "positions you do not want to ignore_index"
             )
+        labels = target_ids
         if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
             got = _shape(labels) if isinstance(labels, torch.Tensor) else type(labels).__name__
-            raise ValueError(f"labels must have input_ids' shape {_shape(input_ids)}, got {got}")
+            raise ValueError(
+                f"target_ids must have input_ids' shape {_shape(input_ids)}, got {got}"
+            )
         # The model inputs the backbone will get.
         _check_model_inputs(input_ids, attention_mask, position_ids, cu_seqlens, None, ignore_index)
     temperature = _effective_temperature(temperature, head.logit_scale)
@@ -527,7 +543,7 @@ def causal_lm_logprobs(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
+    target_ids: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
     with_entropy: bool = False,
     temperature: float | torch.Tensor = 1.0,
@@ -550,7 +566,7 @@ def causal_lm_logprobs(
         logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False).logits.float() / temperature
         logp = logits.log_softmax(-1)
-        logprobs = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # 0 where ignored
+        logprobs = logp.gather(-1, target_ids.clamp(min=0)[..., None])[..., 0]  # 0 if ignored
         entropy = -(logp.exp() * logp).sum(-1)                             # 0 where ignored
 
     (Soft-capping and logit scales are those of the model's forward; the head's matmul runs
@@ -564,7 +580,10 @@ def causal_lm_logprobs(
             documents and the response tokens, see :func:`causal_lm_labels`; attention_mask
             and position_ids also go to the backbone (with ``cu_seqlens``, the backbone gets
             position_ids restarting at each document).
-        labels: ``[B, T]`` targets aligned like the logits; default :func:`causal_lm_labels`.
+        target_ids: ``[B, T]`` targets aligned like the logits (``target_ids[:, t]`` is
+            scored by position ``t``); default :func:`causal_lm_labels`. Not named ``labels``:
+            transformers' ``labels`` are unshifted, and ``labels=`` raises ``ValueError``
+            saying so (``causal_lm_labels(hf_labels)`` converts them).
         with_entropy, temperature, chunk_size, head_dtype, ignore_index, backend: as in
             :func:`logitless.linear_logprobs` (temperature: float or ``[B, T]`` tensor).
         sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
@@ -601,7 +620,7 @@ def causal_lm_logprobs(
     prep = _prepare(
         model,
         input_ids,
-        labels=labels,
+        target_ids=target_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
@@ -688,7 +707,7 @@ def causal_lm_policy_loss(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
+    target_ids: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -711,7 +730,7 @@ def causal_lm_policy_loss(
     Same ``(loss, metrics)`` and gradients for every model parameter as::
 
         out = causal_lm_logprobs(model, input_ids, ..., with_entropy=config.entropy_coef != 0)
-        policy_loss(out.logprobs, old_logprobs, advantages, labels != ignore_index,
+        policy_loss(out.logprobs, old_logprobs, advantages, target_ids != ignore_index,
                     config=config, entropy=out.entropy, document_ids=..., ...)
 
     with the head's gradients taken during the forward pass (no ``[B, T, V]`` logits; see
@@ -719,11 +738,12 @@ def causal_lm_policy_loss(
     runs the backbone's backward.
 
     Args:
-        model, input_ids, attention_mask, position_ids, cu_seqlens, labels, response_mask,
-            temperature, chunk_size, head_dtype, ignore_index, backend, model_kwargs: as in
-            :func:`causal_lm_logprobs`. The loss mask is ``labels != ignore_index``.
+        model, input_ids, attention_mask, position_ids, cu_seqlens, target_ids,
+            response_mask, temperature, chunk_size, head_dtype, ignore_index, backend,
+            model_kwargs: as in :func:`causal_lm_logprobs`. The loss mask is
+            ``target_ids != ignore_index``.
         old_logprobs: ``[B, T]`` fp32 log-probs of the behaviour policy, aligned like the
-            labels (e.g. ``causal_lm_logprobs(...)`` under ``torch.no_grad()``).
+            targets (e.g. ``causal_lm_logprobs(...)`` under ``torch.no_grad()``).
         advantages: ``[B, T]`` per token, or one per sequence: ``[B]`` when each row is one
             sequence (no ``document_ids``, ``cu_seqlens`` or ``position_ids``), else
             ``[num_documents]``, one per document id.
@@ -767,7 +787,7 @@ def causal_lm_policy_loss(
     prep = _prepare(
         model,
         input_ids,
-        labels=labels,
+        target_ids=target_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
