@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,3 +64,40 @@ def _use_triton_interpreter() -> None:
 
 
 _use_triton_interpreter()
+
+
+# The test files that start processes (gloo groups, the bench's workers, the CLI), run Triton's
+# interpreter or train small models: ``-m "not slow"`` leaves them out for a first check.
+SLOW_FILES = {
+    "test_accumulation.py",
+    "test_bench.py",
+    "test_bench_plot.py",
+    "test_benchmark_scripts.py",
+    "test_compile.py",
+    "test_demo.py",
+    "test_docs.py",
+    "test_fsdp.py",
+    "test_fused_parallel.py",
+    "test_losses_cp.py",
+    "test_normalizer_distributed.py",
+    "test_replay_parallel.py",
+    "test_triton.py",
+    "test_trl.py",
+    "test_vocab_parallel.py",
+}
+
+
+def pytest_configure(config):
+    here = Path(__file__).parent
+    missing = sorted(f for f in SLOW_FILES if not (here / f).exists())
+    if missing:  # a renamed file would silently join the fast subset
+        raise pytest.UsageError(f"tests/conftest.py SLOW_FILES names missing files: {missing}")
+    config.addinivalue_line(
+        "markers", "slow: processes, Triton's interpreter or training runs (see SLOW_FILES)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

@@ -219,6 +219,22 @@ def test_nan_advantage_of_a_sequence_with_no_trained_token_is_data(fused):
         run(nan_adv, used)
 
 
+def test_missing_config_says_how_to_get_the_defaults():
+    """Without config= every loss entry point raises a ValueError naming PolicyLossConfig()
+    (not Python's bare TypeError about a missing keyword argument)."""
+    from logitless.modules import PolicyLossHead
+
+    lp, mask = torch.full((2, 3), -1.0), torch.ones(2, 3, dtype=torch.bool)
+    match = r"config= is required: pass config=logitless\.PolicyLossConfig\(\)"
+    with pytest.raises(ValueError, match=match):
+        logitless.policy_loss(lp, lp, torch.zeros(2), mask)
+    hidden, weight, labels = torch.randn(2, 3, 4), torch.randn(7, 4), torch.zeros(2, 3).long()
+    with pytest.raises(ValueError, match=match):
+        logitless.fused_policy_loss(hidden, weight, labels, lp, torch.zeros(2))
+    with pytest.raises(ValueError, match=match):
+        PolicyLossHead(torch.nn.Linear(4, 7))
+
+
 def test_nan_reward_is_refused():
     with pytest.raises(ValueError, match="rewards must be finite"):
         grpo_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), group_size=2)
@@ -365,8 +381,8 @@ def test_property_valid_or_named_error(lengths, masked, mistake, seed):
         old = old.clone()
         old[mask.nonzero()[0, 0]] = float("nan")
     elif mistake == "adv_nan":
-        if n_docs == n and not bool(mask[0]):
-            return  # [N] advantages read per token: a NaN at a masked token is data
+        if not bool(mask[ids == 0].any()):
+            return  # document 0 has no token that counts: its advantage is never used, data
         adv = adv.clone()
         adv[0] = float("nan")
     elif mistake == "old_probs":

@@ -96,6 +96,88 @@ def test_bench_quiet_keeps_one_line_per_method() -> None:
     assert table[4].startswith("memfloor = ")
 
 
+@pytest.mark.parametrize("rounds", [3, 1])
+def test_rounds_order_the_workers(rounds: int) -> None:
+    """--rounds 3: each method's 3 repeats run in 3 rounds, a fresh worker per method and round
+    (a warm-up each), in alternating order; --rounds 1: one method after the other. The row
+    merges a method's rounds."""
+    cmd = [sys.executable, "-m", "logitless", "bench", *TINY[:-4], "--repeats", "3"]
+    cmd += ["--threads", "1", "--no-csv", "--methods", "naive", "floor3", "--rounds", str(rounds)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    steps = [
+        (ln.split()[2], ln.split(": ")[1].split(" |")[0].rsplit(" ", 2)[0])
+        for ln in proc.stderr.splitlines()
+        if ln.startswith("  method ") and (": warm-up " in ln or ": repeat " in ln)
+    ]
+    if rounds == 3:
+        want = [("naive", "warm-up"), ("naive", "repeat 1/3")]
+        want += [("floor3", "warm-up"), ("floor3", "repeat 1/3")]
+        want += [("floor3", "warm-up"), ("floor3", "repeat 2/3")]
+        want += [("naive", "warm-up"), ("naive", "repeat 2/3")]
+        want += [("naive", "warm-up"), ("naive", "repeat 3/3")]
+        want += [("floor3", "warm-up"), ("floor3", "repeat 3/3")]
+    else:
+        want = [
+            (m, s)
+            for m in ("naive", "floor3")
+            for s in ("warm-up", "repeat 1/3", "repeat 2/3", "repeat 3/3")
+        ]
+    assert steps == want
+    assert f"repeats=3 rounds={rounds} " in proc.stderr
+    assert "[1/2] tokens=32 naive: " in proc.stderr and "[2/2] tokens=32 floor3: " in proc.stderr
+
+
+def test_split_repeats_and_merge_rounds() -> None:
+    from logitless.apps.bench.harness import merge_rounds, split_repeats
+
+    assert split_repeats(5, 3) == [2, 2, 1] and split_repeats(2, 3) == [1, 1]
+    assert split_repeats(3, 1) == [3]
+    parts = [
+        Row("a", _work(repeats=2), "ok", time_p50_s=1.5, time_p20_s=1, time_p80_s=2,
+            peak_extra_mb=5.0, times=[1.0, 2.0]),
+        Row("a", _work(repeats=1), "ok", time_p50_s=9, time_p20_s=9, time_p80_s=9,
+            peak_extra_mb=7.0, times=[9.0]),
+    ]  # fmt: skip
+    row = merge_rounds(parts)
+    assert row.time_p50_s == 2.0 and row.peak_extra_mb == 7.0 and row.work.repeats == 3
+    assert row.times == [1.0, 2.0, 9.0]
+    failed = Row("a", _work(), "failed", reason="boom")
+    assert merge_rounds([parts[0], failed]) is failed
+
+
+def test_load_monitor_flags_other_processes_and_steal() -> None:
+    """Busy = other processes' CPU time (the machine's busy time minus this process tree's)
+    or steal above their limits; the note goes to the table's last line."""
+    from logitless.apps.bench.harness import format_table
+    from logitless.apps.bench.load import LoadMonitor
+
+    def monitor(stat1: list[int], own1: float) -> LoadMonitor:
+        stats = iter([[0] * 8, stat1])
+        owns = iter([0.0, own1])
+        clock = iter([0.0, 10.0])
+        return LoadMonitor(
+            read_stat=lambda: next(stats),
+            own_cpu=lambda: next(owns),
+            clock=lambda: next(clock),
+            cpus=2,
+            ticks_per_s=100,
+        )
+
+    # 10 s on 2 cpus = 2000 ticks; user 1000 + system 200 ticks = 12 s busy, 11 s of it ours
+    quiet = monitor([1000, 0, 200, 800, 0, 0, 0, 0], own1=11.0).report()
+    assert quiet.others == pytest.approx(0.05) and quiet.steal == 0.0
+    assert not quiet.busy and quiet.note() == ""
+    busy = monitor([1600, 0, 200, 200, 0, 0, 0, 0], own1=11.0).report()
+    assert busy.others == pytest.approx(0.35) and busy.busy
+    assert "other processes used 35% of the CPU time" in busy.note()
+    stolen = monitor([1000, 0, 200, 600, 0, 0, 0, 200], own1=12.0).report()
+    assert stolen.others == 0.0 and stolen.steal == pytest.approx(0.1) and stolen.busy
+    assert format_table([], warning=busy.note()).splitlines()[-1] == f"warning: {busy.note()}"
+    off_linux = LoadMonitor(read_stat=lambda: None).report()
+    assert off_linux.others is None and not off_linux.busy
+
+
 def _plan(methods: str, tokens: tuple[int, ...]) -> list[tuple[str, Workload]]:
     return [(m, _work(tokens=n, repeats=2)) for n in tokens for m in methods]
 

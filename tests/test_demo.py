@@ -250,8 +250,49 @@ def test_seeds_summary_by_hand():
     assert lines[1] == "  logitless  0.800 ± 0.100  [0.90, 0.70, 0.80]  run time 30 s per seed"
     assert lines[2] == "  naive      0.700 ± 0.100  [0.60, 0.80, 0.70]  run time 60 s per seed"
     assert lines[3] == "  logitless - naive, paired by seed: +0.100 ± 0.200 [+0.30, -0.10, +0.10]"
+    # areas (mean reward over the 8 steps): 0.5 / 0.35, 0.4 / 0.45, 0.45 / 0.4 -> differences
+    # 0.15, -0.05, 0.05: mean 0.05, std 0.1, half-width 4.303 * 0.1 / sqrt(3)
+    half = 4.303 * 0.1 / 3**0.5
+    assert lines[4] == (
+        "  area under the reward curve (mean reward over all steps), logitless - naive paired "
+        f"by seed: +0.0500, 95% CI [{0.05 - half:+.4f}, {0.05 + half:+.4f}] over 3 seeds "
+        "(std 0.1000; not significant at 5%)"
+    )
     one = seeds_summary([_result("logitless", 0, [0.2, 0.4])])
     assert one[1].startswith("  logitless  0.400 ± 0.000  [0.40]") and len(one) == 2
+
+
+def test_paired_difference_interval():
+    """A paired t interval: significant when it excludes 0; the t quantile follows its table
+    and then the expansion."""
+    from logitless.apps.demo import _t975, paired_difference
+
+    d = paired_difference([0.2, 0.25, 0.15, 0.2])
+    assert d.mean == pytest.approx(0.2) and d.significant
+    assert d.high - d.low == pytest.approx(2 * 3.182 * d.std / 2)
+    assert not paired_difference([0.1, -0.1]).significant
+    assert _t975(15) == 2.131 and _t975(30) == 2.042
+    assert 1.96 < _t975(60) < 2.0 and abs(_t975(60) - 2.000) < 0.002
+
+
+def test_csv_round_trip_and_cli_summarize(tmp_path, capsys):
+    """Runs written by --csv (e.g. seeds split over processes) give the same seeds summary
+    when read back: ``logitless demo --summarize A.csv B.csv``."""
+    from logitless.apps.cli import main
+    from logitless.apps.demo import read_csv
+
+    modes = ("logitless", "naive")
+    runs = [_result(m, s, [0.1, 0.3, 0.5, 0.9 - 0.1 * s]) for s in (0, 1, 2) for m in modes]
+    write_csv(runs[:2], tmp_path / "a.csv")
+    write_csv(runs[2:], tmp_path / "b.csv")
+    back = read_csv([tmp_path / "a.csv", tmp_path / "b.csv"])
+    assert [(r.config.mode, r.config.seed) for r in back] == [
+        (r.config.mode, r.config.seed) for r in runs
+    ]
+    assert [r.rows for r in back] == [r.rows for r in runs]
+    assert main(["demo", "--summarize", str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4:] == seeds_summary(runs)[4:]
 
 
 def test_plot_demo_several_seeds(tmp_path):

@@ -101,3 +101,17 @@ def test_relative_link_resolves(page, target):
             r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(), flags=re.S), re.M
         )
         assert anchor in {_slug(h) for h in headings}, f"{page}: no heading for #{anchor}"
+
+
+def test_ci_runs_the_readme_commands():
+    """CI runs the README's test command as written (with every extra the suite needs), so a
+    new machine that follows the README installs what CI installs."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("**Developing logitless**", 1)[1].split("```bash\n", 1)[1].split("```")[0]
+    commands = [ln for ln in block.splitlines() if ln and not ln.startswith("#")]
+    bench, tests = commands
+    assert bench.endswith("&& logitless bench")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests in ci
+    for extra in ("test", "hf", "triton", "trl", "peers"):
+        assert extra in tests.split('".[', 1)[1].split("]", 1)[0].split(",")

@@ -80,8 +80,16 @@ def test_weight_not_floating_2d(head, weight):
 
 
 def test_hidden_last_dim_mismatch(head):
-    with pytest.raises(ValueError, match=rf"hidden's last dimension must equal weight's H={H}"):
+    match = rf"weight must be \[V, H\] with H = hidden's last dimension \({H + 1}\)"
+    with pytest.raises(ValueError, match=match):
         _call(head, hidden=torch.randn(N, H + 1))
+
+
+def test_weight_given_as_h_by_v_says_transposed(head):
+    """A [H, V] weight (the transpose of nn.Linear(H, V).weight) is named as such."""
+    weight = torch.randn(V, H).t()
+    with pytest.raises(ValueError, match=r"weight must be \[V, H\].*looks transposed.*weight\.T"):
+        _call(head, weight=weight)
 
 
 # ---- labels ------------------------------------------------------------------------------

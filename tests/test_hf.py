@@ -753,6 +753,9 @@ def test_unsupported_models_are_refused():
         hf.causal_lm_logprobs("llama", ids)
     with pytest.raises(ValueError, match="overrides LlamaForCausalLM.forward"):
         hf.causal_lm_logprobs(_OverridesForward(_config("llama")), ids)
+    # a compiled model: the refusal names the workaround (compile the backbone in place)
+    with pytest.raises(ValueError, match=r"torch.compile wrapper.*model.model.compile\(\)"):
+        hf.causal_lm_logprobs(torch.compile(_model("llama")), ids)
 
     class Scaled(nn.Linear):
         def forward(self, x):

@@ -136,9 +136,13 @@ def _check_layout(
     vocab, dim = weight.shape
     label_vocab = vocab if vocab_parallel is None else _check_shard(weight, vocab_parallel)
     if hidden.shape[-1] != dim:
+        transposed = ""
+        if vocab == hidden.shape[-1]:
+            transposed = "; it looks transposed ([H, V]): pass weight.T (nn.Linear(H, V).weight)"
         raise ValueError(
-            f"hidden's last dimension must equal weight's H={dim} (weight is "
-            f"{_fmt_shape(weight)}), got hidden of shape {_fmt_shape(hidden)}"
+            f"weight must be [V, H] with H = hidden's last dimension ({hidden.shape[-1]}), got "
+            f"weight of shape {_fmt_shape(weight)} and hidden of shape {_fmt_shape(hidden)}"
+            f"{transposed}"
         )
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(

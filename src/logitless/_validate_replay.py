@@ -247,8 +247,10 @@ def check_replay_args(
                 )
         return ReplayArgs(vocab_size=vocab_size, mask_ids=ids, mask_offsets=offsets)
 
-    k = None if top_k is None else _per_position(
-        "top_k", top_k, shape, device, integer=True, cap=vocab_size
+    k = (
+        None
+        if top_k is None
+        else _per_position("top_k", top_k, shape, device, integer=True, cap=vocab_size)
     )
     p = None if top_p is None else _per_position("top_p", top_p, shape, device, integer=False)
     mp = None if min_p is None else _per_position("min_p", min_p, shape, device, integer=False)

@@ -47,7 +47,7 @@ def fused_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    config: PolicyLossConfig,
+    config: PolicyLossConfig | None = None,
     bias: torch.Tensor | None = None,
     temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,

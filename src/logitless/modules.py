@@ -467,7 +467,7 @@ class PolicyLossHead(_SharedHeadWeight):
         self,
         source: nn.Module,
         *,
-        config: PolicyLossConfig,
+        config: PolicyLossConfig | None = None,
         temperature: float = 1.0,
         softcap: float | None = None,
         head_dtype: torch.dtype | None = None,

@@ -72,12 +72,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser(
         "bench",
-        help="time and memory of log-probs+entropy forward+backward, per method",
+        help="time and memory of each method on a task (log-probs + entropy, the fused "
+        "loss, sampling replay), forward + backward",
         description=(
-            "Measure forward+backward of the head op for each method, each in a fresh "
+            "Measure forward+backward of a task (--task logprobs: log-probs + entropy; loss: "
+            "the fused policy loss; replay: sampling replay) for each method, each in a fresh "
             "subprocess: median time and peak extra memory, as ratios vs naive and vs a "
             "pure-matmul floor timed in the same run. Default shape: a Qwen2.5-0.5B-like "
-            "head (H=896, V=151936), fp32."
+            "head (H=896, V=151936), fp32. A run on a busy machine is flagged."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -106,6 +108,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--repeats", type=_positive_int, default=3, help="timed repeats (+1 warmup)")
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        metavar="R",
+        default=argparse.SUPPRESS,
+        help="cut each method's repeats into up to R rounds; a round runs every method once, "
+        "each in a fresh worker (warm-up, its share of the repeats, exit), in alternating "
+        "order, so load on the machine hits all methods alike (default: 3 on CPU, 1 on CUDA)",
+    )
     p.add_argument(
         "--threads", type=_positive_int, default=_default_threads(), help="torch CPU threads"
     )
@@ -157,6 +168,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         run_bench,
         workloads_for,
     )
+    from .bench.load import LoadMonitor
     from .bench.workload import Workload
 
     methods = _selected_methods(parser, args)
@@ -189,21 +201,29 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         seed=args.seed,
     )
     timestamp = now_timestamp()
+    rounds = getattr(args, "rounds", 1 if args.device.startswith("cuda") else 3)
     print(
         f"logitless bench: task={args.task} H={args.hidden} V={args.vocab} {args.dtype} "
-        f"{args.device} threads={args.threads} repeats={args.repeats} "
+        f"{args.device} threads={args.threads} repeats={args.repeats} rounds={rounds} "
         f"tokens={','.join(map(str, args.tokens))} valid_frac={args.valid_frac:g}",
         file=sys.stderr,
         flush=True,
     )
+    load = LoadMonitor()
     rows = run_bench(
         methods,
         workloads_for(base, args.tokens),
         log=sys.stderr,
         timeout_s=args.timeout,
         progress=not args.quiet,
+        rounds=rounds,
     )
-    print(format_table(rows))
+    busy = load.report().note()
+    print(format_table(rows, warning=busy))
+    if busy:
+        print(f"warning: {busy}", file=sys.stderr)
+        for r in rows:  # the CSV's note column keeps it
+            r.reason = "; ".join(n for n in (r.reason, busy) if n)
     if not args.no_csv:
         append_csv(args.csv, rows, timestamp)
         print(f"appended {len(rows)} rows to {args.csv}", file=sys.stderr)
@@ -260,6 +280,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "--seeds",
         type=_positive_int,
         metavar="N",
+        default=argparse.SUPPRESS,
         help="runs per mode, seeds --seed, --seed + 1, ... (default: 3 with --compare, else 1)",
     )
     p.add_argument("--device", type=_device, default=d.device, help="cpu, cuda or cuda:N")
@@ -280,6 +301,14 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write the plot")
     p.add_argument("--csv", type=Path, metavar="CSV", help="also write per-step metrics here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        metavar="CSV",
+        help="no training: the seeds summary of runs saved with --csv (e.g. seeds run in "
+        "several processes)",
+    )
     p.set_defaults(handler=_run_demo_command, command_parser=p)
 
 
@@ -294,12 +323,21 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         DemoConfig,
         check_step,
         plot_demo,
+        read_csv,
         run_demo,
         seeds_summary,
         show_samples,
         write_csv,
     )
 
+    if args.summarize:
+        try:
+            runs = read_csv(args.summarize)
+        except (OSError, KeyError, ValueError) as exc:
+            parser.error(f"--summarize: {exc}")
+        for line in seeds_summary(runs):
+            print(line)
+        return 0
     t0 = time.perf_counter()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available in this torch build")
@@ -311,7 +349,7 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("logitless demo needs transformers: pip install 'logitless[hf]'")
     torch.set_num_threads(args.threads)
     modes = [False, True] if args.compare else [args.naive]
-    n_seeds = args.seeds if args.seeds is not None else (3 if args.compare else 1)
+    n_seeds = getattr(args, "seeds", 3 if args.compare else 1)
     seeds = list(range(args.seed, args.seed + n_seeds))
     try:
         configs = [

@@ -73,7 +73,9 @@ __all__ = [
     "build_policy",
     "check_step",
     "final_rewards",
+    "paired_difference",
     "plot_demo",
+    "read_csv",
     "rollout",
     "run_demo",
     "sample",
@@ -246,6 +248,11 @@ class DemoResult:
         if not values:
             return float("nan")
         return values[len(values) // 2] if typical else values[-1]
+
+    def reward_auc(self) -> float:
+        """Area under the reward curve: the mean reward over all steps (how fast it learned,
+        not only where it ended)."""
+        return sum(r.reward for r in self.rows) / len(self.rows) if self.rows else float("nan")
 
     def steps_seconds(self) -> float:
         """Wall time of the RL steps alone."""
@@ -910,14 +917,83 @@ def seeds_summary(results: Sequence[DemoResult]) -> list[str]:
         )
     modes = list(finals)
     if len(modes) == 2 and len(seeds) > 1:  # paired by seed: same init, warm-up data, prompts
-        by_run = {(r.config.mode, r.config.seed): r.reward_window(False) for r in results}
-        diffs = [by_run[(modes[0], s)] - by_run[(modes[1], s)] for s in seeds]
+        by_run = {(r.config.mode, r.config.seed): r for r in results}
+        pairs = [(by_run[(modes[0], s)], by_run[(modes[1], s)]) for s in seeds]
+        diffs = [a.reward_window(False) - b.reward_window(False) for a, b in pairs]
         mean, std = _mean_std(diffs)
         lines.append(
             f"  {modes[0]} - {modes[1]}, paired by seed: {mean:+.3f} ± {std:.3f} "
             f"[{', '.join(f'{d:+.2f}' for d in diffs)}]"
         )
+        auc = paired_difference([a.reward_auc() - b.reward_auc() for a, b in pairs])
+        lines.append(
+            f"  area under the reward curve (mean reward over all steps), {modes[0]} - "
+            f"{modes[1]} paired by seed: {auc.describe()}"
+        )
     return lines
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def _t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (table up to 30, then
+    the first-order Cornish-Fisher expansion around the normal's 1.96)."""
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.37 / df
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """Mean of ``n`` paired differences with its 95% confidence interval (Student's t):
+    ``mean ± t·std/√n``. ``significant``: the interval excludes 0."""
+
+    n: int
+    mean: float
+    std: float
+    low: float
+    high: float
+
+    @property
+    def significant(self) -> bool:
+        return self.n > 1 and (self.low > 0 or self.high < 0)
+
+    def describe(self) -> str:
+        if self.n < 2:
+            return f"{self.mean:+.4f} (one seed: no interval)"
+        verdict = "significant" if self.significant else "not significant"
+        return (
+            f"{self.mean:+.4f}, 95% CI [{self.low:+.4f}, {self.high:+.4f}] over {self.n} seeds "
+            f"(std {self.std:.4f}; {verdict} at 5%)"
+        )
+
+
+def paired_difference(diffs: Sequence[float]) -> PairedDifference:
+    """:class:`PairedDifference` of per-seed differences (a paired t interval)."""
+    mean, std = _mean_std(diffs)
+    n = len(diffs)
+    half = _t975(n - 1) * std / math.sqrt(n) if n > 1 else float("nan")
+    return PairedDifference(n, mean, std, mean - half, mean + half)
+
+
+def read_csv(paths: Sequence[Path | str]) -> list[DemoResult]:
+    """The runs of :func:`write_csv` files (per-step metrics, no policy), in file order; each
+    (mode, seed) once. For a summary of runs made in several processes."""
+    runs: dict[tuple[str, int], list[StepMetrics]] = {}
+    kinds = {f.name: f.type for f in fields(StepMetrics)}
+    for path in paths:
+        with Path(path).open(newline="") as f:
+            for rec in csv.DictReader(f):
+                key = (rec["mode"], int(rec["seed"]))
+                values = {k: (int if kinds[k] in (int, "int") else float)(rec[k]) for k in kinds}
+                runs.setdefault(key, []).append(StepMetrics(**values))
+    out = []
+    for (mode, seed), rows in runs.items():
+        config = DemoConfig(naive=mode == "naive", seed=seed, steps=len(rows))
+        out.append(DemoResult(config, rows, "", None))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

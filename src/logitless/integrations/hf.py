@@ -166,6 +166,15 @@ def _audited_class(model: object) -> tuple[type, Callable]:
     hint = ""
     if hasattr(model, "get_base_model"):
         hint = " For a PEFT model, pass peft_model.get_base_model()."
+    if type(model).__name__ == "OptimizedModule" and isinstance(
+        getattr(model, "_orig_mod", None), nn.Module
+    ):
+        raise ValueError(
+            f"model is a torch.compile wrapper of {type(model._orig_mod).__name__}: logitless "
+            "calls the backbone (model.model) itself, so the compiled forward would never run. "
+            "Compile the backbone in place instead, `model.model.compile()` (or `model.model = "
+            "torch.compile(model.model)`), and pass the model itself (here: model._orig_mod)"
+        )
     raise ValueError(
         f"unsupported model {type(model).__name__}: logitless.integrations.hf handles "
         f"{', '.join(SUPPORTED_MODELS)} (their logits are lm_head(final hidden states), with "
@@ -703,7 +712,7 @@ def causal_lm_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    config: PolicyLossConfig,
+    config: PolicyLossConfig | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,

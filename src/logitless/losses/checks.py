@@ -29,6 +29,12 @@ __all__ = ["LossCall", "check_config", "check_policy_loss"]
 
 def check_config(config: object) -> PolicyLossConfig:
     """``config`` if it is a :class:`PolicyLossConfig`, else ``ValueError``."""
+    if config is None:
+        raise ValueError(
+            "config= is required: pass config=logitless.PolicyLossConfig() for the defaults "
+            "(PPO clip with ε = 0.2, token-mean aggregation, no KL, no entropy bonus), or set "
+            "its fields (docs/losses.md lists the presets of GRPO, DAPO, GSPO, CISPO, ...)"
+        )
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
     return config

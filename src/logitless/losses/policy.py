@@ -42,7 +42,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    config: PolicyLossConfig,
+    config: PolicyLossConfig | None = None,
     document_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,

@@ -91,7 +91,7 @@ def document_stats(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    config: PolicyLossConfig,
+    config: PolicyLossConfig | None = None,
     document_ids: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     context_group: object | None = None,

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import queue
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from typing import IO, TextIO
 import torch
 
 from ..cli import package_version
-from .worker import PROGRESS_PREFIX, RESULT_PREFIX
+from .worker import PROGRESS_PREFIX, RESULT_PREFIX, _quantile
 from .workload import Workload
 
 MIB = 1024 * 1024
@@ -69,6 +70,7 @@ class Row:
     time_p80_s: float | None = None
     peak_extra_mb: float | None = None
     ratios: dict[str, float | None] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)  # every timed step
 
     @property
     def ok(self) -> bool:
@@ -146,6 +148,7 @@ def run_method(
         time_p20_s=result["time_p20_s"],
         time_p80_s=result["time_p80_s"],
         peak_extra_mb=result["peak_extra_bytes"] / MIB,
+        times=list(result.get("times", [])),
     )
 
 
@@ -204,6 +207,35 @@ def progress_line(index: int, total: int, row: Row) -> str:
     return f"{head} {row.status} -- {row.reason}"
 
 
+def split_repeats(repeats: int, rounds: int) -> list[int]:
+    """``repeats`` timed steps cut into at most ``rounds`` rounds, as evenly as possible
+    (``split_repeats(5, 3) == [2, 2, 1]``)."""
+    rounds = max(1, min(rounds, repeats))
+    base, extra = divmod(repeats, rounds)
+    return [base + (1 if k < extra else 0) for k in range(rounds)]
+
+
+def merge_rounds(parts: Sequence[Row]) -> Row:
+    """One method's rows of several rounds -> its row: quantiles over every timed step, the
+    largest peak memory; the first round that did not produce numbers decides otherwise."""
+    bad = next((r for r in parts if not r.ok), None)
+    if bad is not None or len(parts) == 1:
+        return bad or parts[0]
+    times = [t for r in parts for t in r.times]
+    first = parts[0]
+    return Row(
+        first.method,
+        replace(first.work, repeats=len(times)),
+        "ok",
+        reason=first.reason,
+        time_p50_s=statistics.median(times),
+        time_p20_s=_quantile(times, 0.2),
+        time_p80_s=_quantile(times, 0.8),
+        peak_extra_mb=max(r.peak_extra_mb or 0.0 for r in parts),
+        times=times,
+    )
+
+
 def run_bench(
     method_names: Sequence[str],
     workloads: Sequence[Workload],
@@ -211,11 +243,19 @@ def run_bench(
     log: TextIO,
     timeout_s: float | None = None,
     progress: bool = True,
+    rounds: int = 1,
 ) -> list[Row]:
     """Measure every method at every workload, each in its own subprocess; add ratios.
 
-    ``log`` gets one result line per method; with ``progress`` also method i of n, repeat j
-    of r, the elapsed time and an estimate of the time left (:mod:`.progress`).
+    ``rounds``: each method's ``repeats`` timed steps are cut into up to this many rounds
+    (:func:`split_repeats`), and each round runs every method once, each in a fresh worker
+    that warms up, times its share of the steps and exits, in alternating order from round to
+    round. A change of load during the run then hits every method alike, while one worker at
+    a time holds memory (workers kept alive side by side change each other's allocation
+    costs: the naive method's big buffers measured ~45% slower that way on CPU). The
+    method's row merges its rounds (:func:`merge_rounds`). ``log`` gets one result line per
+    method; with ``progress`` also method i of n, repeat j of r, the elapsed time and an
+    estimate of the time left (:mod:`.progress`).
     """
     from .methods import get_method
     from .progress import BenchProgress
@@ -227,20 +267,36 @@ def run_bench(
             return True
 
     plan = [(name, work) for work in workloads for name in method_names]
-    bar = BenchProgress(plan, log, runs=runs) if progress else None
+    shares = {id(w): split_repeats(w.repeats, rounds) for w in workloads}
+    bar = None
+    if progress:
+        bar = BenchProgress(plan, log, runs=runs, warmups=lambda w: len(shares[id(w)]))
     rows: list[Row] = []
     try:
         for work in workloads:
+            first = len(rows)
+            parts: dict[str, list[Row]] = {name: [] for name in method_names}
+            for k, share in enumerate(shares[id(work)]):
+                order = list(enumerate(method_names))
+                for i, name in order if k % 2 == 0 else order[::-1]:
+                    if parts[name] and not parts[name][-1].ok:
+                        continue  # skipped or failed: not again
+                    round_work = replace(work, repeats=share)
+                    if bar is None:
+                        part = run_method(name, round_work, timeout_s)
+                    else:
+                        bar.start(first + i)
+                        part = run_method(
+                            name, round_work, timeout_s, on_event=bar.event, on_tick=bar.tick
+                        )
+                    parts[name].append(part)
             group = []
-            for name in method_names:
-                index = len(rows) + len(group)
+            for i, name in enumerate(method_names):
+                row = merge_rounds(parts[name])
                 if bar is None:
-                    row = run_method(name, work, timeout_s)
-                    print(progress_line(index + 1, len(plan), row), file=log, flush=True)
+                    print(progress_line(first + i + 1, len(plan), row), file=log, flush=True)
                 else:
-                    bar.start(index)
-                    row = run_method(name, work, timeout_s, on_event=bar.event, on_tick=bar.tick)
-                    bar.finish(index, row)
+                    bar.finish(first + i, row)
                 group.append(row)
             add_ratios(group)
             rows.extend(group)
@@ -255,8 +311,9 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """Plain-text table of the run: times, peak extra memory and the ratios."""
+def format_table(rows: Sequence[Row], warning: str = "") -> str:
+    """Plain-text table of the run: times, peak extra memory and the ratios; ``warning``
+    (e.g. a busy machine) is its last line."""
     header = (
         "tokens",
         "method",
@@ -317,6 +374,8 @@ def format_table(rows: Sequence[Row]) -> str:
     if notes:
         lines.append("notes:")
         lines.extend(dict.fromkeys(notes))
+    if warning:
+        lines.append(f"warning: {warning}")
     return "\n".join(lines)
 
 

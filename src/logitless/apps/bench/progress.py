@@ -45,25 +45,30 @@ class _Unit:
 
     method: str
     work: Workload
-    steps: int  # warm-up + repeats; 0 when the method is known not to run here
+    rounds: int  # worker processes (each: start-up, a warm-up, its share of the repeats)
+    runs: bool  # False when the method is known not to run here (skipped: overhead only)
     started: float | None = None
     ready: float | None = None  # inputs built, first step about to run
     finished: float | None = None
-    step_s: list[float] = field(default_factory=list)  # the warm-up, then each repeat
+    warmup_s: list[float] = field(default_factory=list)  # one per round
+    step_s: list[float] = field(default_factory=list)  # each timed repeat
     phase: str = ""
+    busy: float = 0.0  # wall time this unit's workers held the machine so far
 
 
 def _step(unit: _Unit) -> float:
     """A unit's step time so far: the mean repeat, or the warm-up before any repeat."""
-    return statistics.mean(unit.step_s[1:] or unit.step_s)
+    return statistics.mean(unit.step_s or unit.warmup_s)
 
 
 class BenchProgress:
     """Progress display and time-left estimate of one bench run.
 
     ``plan``: the (method, workload) pairs in run order. ``runs(method, work)`` says whether a
-    method will run its steps (False: it will be skipped); ``live``: redraw one status line
-    (default: when ``stream`` is a terminal); ``clock``: seconds, monotonic.
+    method will run its steps (False: it will be skipped); ``warmups(work)``: how many worker
+    processes (each with its warm-up) a method runs at ``work`` (the bench's rounds); ``live``:
+    redraw one status line (default: when ``stream`` is a terminal); ``clock``: seconds,
+    monotonic.
     """
 
     def __init__(
@@ -72,47 +77,64 @@ class BenchProgress:
         stream: TextIO,
         *,
         runs: Callable[[str, Workload], bool] = lambda method, work: True,
+        warmups: Callable[[Workload], int] = lambda work: 1,
         live: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream, self.clock = stream, clock
         self.live = stream.isatty() if live is None else live
-        self.units = [_Unit(m, w, 1 + w.repeats if runs(m, w) else 0) for m, w in plan]
+        self.units = [_Unit(m, w, warmups(w), runs(m, w)) for m, w in plan]
         self.t0 = clock()
         self.current = -1
+        self._since = self.t0  # when the current unit got the machine
         self._status_shown = False
 
     # ----------------------------------------------------------------------------- events
 
+    def _switch(self, index: int) -> None:
+        """The machine goes to unit ``index`` (-1: none): the time since the last switch is
+        booked to the unit that had it."""
+        now = self.clock()
+        if 0 <= self.current < len(self.units) and self.units[self.current].finished is None:
+            self.units[self.current].busy += now - self._since
+        self.current, self._since = index, now
+
     def start(self, index: int) -> None:
-        """Method ``index`` (0-based, in plan order) starts its subprocess."""
-        self.current = index
+        """Method ``index`` (0-based, in plan order) starts a subprocess (one per round)."""
+        self._switch(index)
         unit = self.units[index]
-        unit.started, unit.phase = self.clock(), "starting"
+        if unit.started is None:
+            unit.started = self.clock()
+        unit.phase = "starting"
         self._show(f"{self._label(index)}: starting")
 
     def event(self, event: dict[str, object]) -> None:
         """A progress event of the running method's worker (see ``worker.PROGRESS_PREFIX``)."""
         unit = self.units[self.current]
         now, kind = self.clock(), event.get("event")
+        r = unit.work.repeats
         if kind == "ready":
-            unit.ready, unit.phase = now, "warm-up"
+            if unit.ready is None:
+                unit.ready = now
+            unit.phase = "warm-up"
             self._show(f"{self._label(self.current)}: warm-up", log=False)
         elif kind == "warmup":
             seconds = float(str(event["seconds"]))
-            unit.step_s.append(seconds)
-            unit.phase = f"repeat 1/{unit.work.repeats}"
+            unit.warmup_s.append(seconds)
+            unit.phase = f"repeat {len(unit.step_s) + 1}/{r}"
             self._show(f"{self._label(self.current)}: warm-up {format_step(seconds)}")
-        elif kind == "repeat":
+        elif kind == "repeat":  # counted over the unit's rounds
             seconds = float(str(event["seconds"]))
             unit.step_s.append(seconds)
-            j, r = int(str(event["index"])), int(str(event["of"]))
+            j = len(unit.step_s)
             unit.phase = f"repeat {j + 1}/{r}" if j < r else "finishing"
             self._show(f"{self._label(self.current)}: repeat {j}/{r} {format_step(seconds)}")
 
     def finish(self, index: int, row: Row) -> None:
         """Method ``index`` is done: print its result line with the elapsed and left times."""
         unit = self.units[index]
+        if index == self.current:
+            self._switch(-1)
         unit.finished, unit.phase = self.clock(), ""
         self._clear()
         line = progress_line(index + 1, len(self.units), row)
@@ -138,21 +160,22 @@ class BenchProgress:
 
     def remaining(self) -> float | None:
         """Estimated seconds until the whole run ends; None before any step was timed."""
-        timed = [u for u in self.units if u.step_s]
+        timed = [u for u in self.units if u.step_s or u.warmup_s]
         if not timed:
             return None
         per_token: dict[str, list[float]] = {}
         for u in timed:
             per_token.setdefault(u.method, []).append(_step(u) / u.work.tokens)
         mean_per_token = statistics.mean(statistics.mean(v) for v in per_token.values())
-        # a warm-up longer than a step is a one-off (compilation, lazy imports): not per token
+        # a warm-up longer than a step is a one-off per process (compilation, lazy imports)
         extra: dict[str, float] = {}
         for u in timed:
-            if len(u.step_s) > 1:
-                extra[u.method] = max(0.0, u.step_s[0] - _step(u))
-        # everything but the steps: interpreter and torch start-up, inputs, result, exit
+            if u.step_s and u.warmup_s:
+                extra[u.method] = max(0.0, u.warmup_s[0] - _step(u))
+        # everything but the steps, per worker: interpreter and torch start-up, inputs,
+        # result, exit
         overheads = [
-            u.finished - u.started - sum(u.step_s)
+            (u.busy - sum(u.warmup_s) - sum(u.step_s)) / (u.rounds if u.runs else 1)
             for u in self.units
             if u.finished is not None and u.started is not None
         ]
@@ -165,20 +188,21 @@ class BenchProgress:
         overhead = statistics.mean(overheads) if overheads else 0.0
 
         def expected(u: _Unit) -> float:
-            if not u.steps:
+            if not u.runs:
                 return overhead
-            if u.step_s:
+            if u.step_s or u.warmup_s:
                 step = _step(u)
             else:
                 known = per_token.get(u.method)
                 step = (statistics.mean(known) if known else mean_per_token) * u.work.tokens
-            return overhead + extra.get(u.method, 0.0) + u.steps * step
+            warm = step + extra.get(u.method, 0.0)
+            return u.rounds * (overhead + warm) + u.work.repeats * step
 
         now, left = self.clock(), 0.0
-        for u in self.units:
+        for i, u in enumerate(self.units):
             if u.finished is not None:
                 continue
-            spent = 0.0 if u.started is None else now - u.started
+            spent = u.busy + (now - self._since if i == self.current else 0.0)
             left += max(0.0, expected(u) - spent)
         return left
 

@@ -8,7 +8,8 @@ A crash that kills the process (OOM killer, segfault) is reported by the parent 
 Before it, lines starting with :data:`PROGRESS_PREFIX` report each phase as it ends, for the
 parent's progress display: ``{"event": "ready"}`` (inputs built), ``{"event": "warmup",
 "seconds": s}``, then ``{"event": "repeat", "index": j, "of": r, "seconds": s}`` per timed
-step.
+step. The result carries every timed step (``times``), so the parent can merge the rounds
+of a method run in several workers (``harness.run_bench``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def measure(method_name: str, work: Workload, report: Report = _no_report) -> di
         "time_p50_s": statistics.median(times),
         "time_p20_s": _quantile(times, 0.2),
         "time_p80_s": _quantile(times, 0.8),
+        "times": times,
         "peak_extra_bytes": probe.peak_extra_bytes(),
         "note": "; ".join(n for n in (method.note(work), probe.note) if n),
     }
