@@ -119,7 +119,7 @@ def main() -> None:
     import triton
 
     print("triton", triton.__version__)
-    from logitless.kernels import triton_head
+    from logitless.backends import triton_kernels as triton_head
 
     print("addmm out_dtype fp32:", triton_head._has_fp32_out_mm(torch.device("cuda")))
     t0 = time.time()
@@ -235,7 +235,7 @@ def main() -> None:
         print(f"{tag}: host syncs in one triton fwd+bwd: {len(syncs)}")
         for s in syncs:
             print("   ", s)
-    from logitless.kernels.triton_head import _dz_tuned, _stats_tuned
+    from logitless.backends.triton_kernels import _dz_tuned, _stats_tuned
 
     for name, k in (("stats", _stats_tuned), ("dz", _dz_tuned)):
         for key, cfg in getattr(k, "cache", {}).items():

@@ -57,7 +57,7 @@ def nan_empty(monkeypatch):
 def _use_triton_interpreter() -> None:
     """Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads
     the variable when a kernel is defined, so it is set here, before any test imports
-    ``logitless.kernels.triton_head``. With a GPU the kernels compile, and tests/test_cuda.py
+    ``logitless.backends.triton_kernels``. With a GPU the kernels compile, and tests/test_cuda.py
     runs the same cases on it."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -46,7 +46,7 @@ def to_dev(obj):
 @pytest.fixture
 def small_tiles_cuda(monkeypatch):
     """One row chunk spans several vocab blocks on the GPU too."""
-    from logitless.kernels import options as _chunked
+    from logitless.backends import base as _chunked
 
     monkeypatch.setitem(_chunked._TILE_ELEMS, "cuda", 1024)
 
@@ -65,7 +65,7 @@ BACKENDS = [
 @pytest.fixture
 def narrow_chunks_cuda(monkeypatch):
     """The Triton backward refills its workspace many times (narrow vocabulary chunks)."""
-    from logitless.kernels import triton_head
+    from logitless.backends import triton_kernels as triton_head
 
     monkeypatch.setattr(triton_head, "_WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(triton_head, "_MIN_VOCAB_CHUNK", 96)
@@ -122,7 +122,7 @@ def test_triton_makes_one_host_sync():
 def test_triton_peak_memory_is_gradients_plus_workspace():
     """bf16, Qwen-sized vocabulary: extra memory = dW + dh + an fp32 dh accumulator + the
     backward workspace (128 MiB) + small change, far under the [N, V] logits."""
-    from logitless.kernels import triton_head
+    from logitless.backends import triton_kernels as triton_head
 
     N, H, V = 4096, 1024, 151936
     hidden = torch.randn(N, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)

@@ -347,7 +347,7 @@ def test_bad_input_raises_value_error(change, match):
 def test_bad_loss_input_raises_before_any_head_work(monkeypatch, change, match):
     """A packed [N] batch without document_ids, wrong advantages, a missing ref: ValueError
     from the loss's checks before the head kernels run."""
-    from logitless.kernels import tiles
+    from logitless.backends import torch_tiles as tiles
 
     def no_head_work(*args, **kwargs):
         raise AssertionError("the head kernel ran before the loss inputs were validated")

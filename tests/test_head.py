@@ -155,7 +155,7 @@ def _ids(cases):
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Shrink the op's per-tile element budget so one row chunk spans several vocab blocks."""
-    from logitless.kernels import options as _chunked
+    from logitless.backends import base as _chunked
 
     monkeypatch.setattr(_chunked, "_TILE_ELEMS", {"cpu": 1024}, raising=True)
 
@@ -406,7 +406,7 @@ def test_chunk_size_changes_nothing_beyond_rounding(softcap):
 
 
 def test_vocab_blocking_changes_nothing_beyond_rounding(monkeypatch):
-    from logitless.kernels import options as _chunked
+    from logitless.backends import base as _chunked
 
     case = Case(bias=True, temperature="tensor", softcap=3.0, chunk=7)
     inp = make_inputs(case)

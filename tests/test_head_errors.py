@@ -1,6 +1,6 @@
 """Bad input to the head raises ValueError naming the argument, in the op and the reference alike.
 
-One test per check in ``logitless._validate``; every test runs against both functions, which
+One test per check in ``logitless.contract.head``; every test runs against both functions, which
 share those checks. The DTensor check needs a process group: it is in test_vocab_parallel.py.
 """
 

@@ -24,8 +24,8 @@ from _tolerance import assert_no_worse_than_reference
 
 import logitless
 from logitless import PolicyLossConfig, SamplingMask, reference
-from logitless._validate_replay import ReplayArgs
-from logitless.kernels import topk_stream
+from logitless.contract.replay import ReplayArgs
+from logitless.ops.replay import topk_stream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -33,18 +33,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Cut the vocabulary into many tiles (the streaming top-k merges across them)."""
-    from logitless.kernels import options
+    from logitless.backends import base
 
-    monkeypatch.setattr(options, "_TILE_ELEMS", {"cpu": 1024}, raising=True)
+    monkeypatch.setattr(base, "_TILE_ELEMS", {"cpu": 1024}, raising=True)
 
 
 @pytest.fixture
 def few_candidates(monkeypatch):
     """A first guess of 8 candidates for rows without top-k: top-p sets get widened."""
     monkeypatch.setattr(topk_stream, "DEFAULT_CANDIDATES", 8, raising=True)
-    from logitless.kernels import replay
-
-    monkeypatch.setattr(replay, "DEFAULT_CANDIDATES", 8, raising=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,20 +262,12 @@ def _kept_mask(case, inp, replay, z):
 
 
 def _replay_args(case, inp, replay):
-    from logitless._validate import check_head_args
-    from logitless._validate_replay import check_replay_args
+    from logitless.contract.head import check_head_call
+    from logitless.contract.options import HeadOptions, SamplerOptions
 
-    args = check_head_args(
-        inp["hidden"].float(),
-        inp["weight"].float(),
-        inp["labels"],
-        bias=None,
-        temperature=1.0,
-        softcap=None,
-        ignore_index=-100,
-        head_dtype=None,
-    )
-    return check_replay_args(args, -100, vocab_size=case.V, **replay)
+    h, w = inp["hidden"].float(), inp["weight"].float()
+    call = check_head_call(h, w, inp["labels"], None, HeadOptions(), SamplerOptions(**replay))
+    return call.replay
 
 
 def _to(obj, device: torch.device | str):
@@ -559,11 +548,11 @@ def test_chunk_size_and_tiling_change_nothing_beyond_rounding(monkeypatch):
     inp = _inputs(case)
     replay = _replay_kwargs(case, inp)
     base = run(logitless.linear_logprobs, case, inp, replay)
-    from logitless.kernels import options
+    from logitless.backends import base as kernel_base
 
     for chunk, tile in ((1, None), (7, None), (200, None), (7, 1024), (None, 512)):
         if tile is not None:
-            monkeypatch.setattr(options, "_TILE_ELEMS", {"cpu": tile})
+            monkeypatch.setattr(kernel_base, "_TILE_ELEMS", {"cpu": tile})
         other = run(logitless.linear_logprobs, replace(case, chunk=chunk), inp, replay)
         assert torch.equal(other["out"].kept_size, base["out"].kept_size)
         for k in ("logp", "ent", "grad_hidden", "grad_weight", "grad_bias"):
@@ -921,13 +910,14 @@ def _bad_calls():
 
 
 def test_bad_input_raises_before_any_work(monkeypatch):
-    from logitless.kernels import replay as replay_kernels
+    from logitless.ops.fused_loss import replay as fused_replay
+    from logitless.ops.replay import op as replay_kernels
 
     def no_work(*a, **k):
         raise AssertionError("the kernels ran before the input was rejected")
 
     monkeypatch.setattr(replay_kernels, "replay_forward", no_work)
-    monkeypatch.setattr(logitless.fused_replay, "replay_forward", no_work)
+    monkeypatch.setattr(fused_replay, "replay_forward", no_work)
     monkeypatch.setattr(torch.nn.functional, "linear", no_work)
     h, w, y, calls = _bad_calls()
     old, adv = torch.zeros(4), torch.zeros(4)
@@ -977,14 +967,13 @@ def test_hf_against_the_models_masked_logits():
 
         model.zero_grad()
         logits = model(ids, use_cache=False).logits.float() / 0.9  # [2, 9, V]
-        from logitless._validate import check_head_args
-        from logitless._validate_replay import check_replay_args
+        from logitless.contract.head import check_head_call
+        from logitless.contract.options import HeadOptions, SamplerOptions
 
-        hargs = check_head_args(
-            torch.zeros(2, 9, 1), torch.zeros(120, 1), labels, bias=None, temperature=1.0,
-            softcap=None, ignore_index=-100, head_dtype=None,
-        )  # fmt: skip
-        rargs = check_replay_args(hargs, -100, vocab_size=120, **replay)
+        rargs = check_head_call(
+            torch.zeros(2, 9, 1), torch.zeros(120, 1), labels, None, HeadOptions(),
+            SamplerOptions(**replay),
+        ).replay  # fmt: skip
         flat_labels = labels.reshape(-1).clamp(min=0)
         keep, _ = reference.kept_set(logits.detach().reshape(-1, 120), flat_labels, rargs)
         lp, ent = truth_masked(logits.reshape(-1, 120), labels.reshape(-1), keep)

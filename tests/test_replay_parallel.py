@@ -180,16 +180,15 @@ def _reference(pc: PCase, prob: dict, as_float64: bool) -> dict:
 
 
 def _kept(pc: PCase, prob: dict, z: torch.Tensor) -> torch.Tensor:
-    from logitless._validate import check_head_args
-    from logitless._validate_replay import check_replay_args
+    from logitless.contract.head import check_head_call
+    from logitless.contract.options import HeadOptions, SamplerOptions
 
     inp = prob["inp"]
     labels = inp["labels"]
-    args = check_head_args(
-        torch.zeros(*labels.shape, 1), torch.zeros(V, 1), labels, bias=None, temperature=1.0,
-        softcap=None, ignore_index=-100, head_dtype=None,
-    )  # fmt: skip
-    rargs = check_replay_args(args, -100, vocab_size=V, **prob["replay"])
+    rargs = check_head_call(
+        torch.zeros(*labels.shape, 1), torch.zeros(V, 1), labels, None, HeadOptions(),
+        SamplerOptions(**prob["replay"]),
+    ).replay  # fmt: skip
     return reference.kept_set(z.reshape(-1, V), labels.reshape(-1).clamp(min=0), rargs)[0]
 
 
@@ -204,9 +203,9 @@ def _ranges(world: int) -> list[tuple[int, int]]:
 
 
 def _few_candidates(on: bool) -> None:
-    from logitless.kernels import replay, topk_stream
+    from logitless.ops.replay import topk_stream
 
-    replay.DEFAULT_CANDIDATES = topk_stream.DEFAULT_CANDIDATES = 8 if on else 1024
+    topk_stream.DEFAULT_CANDIDATES = 8 if on else 1024
 
 
 def _errors(vp: VocabParallel, rank: int) -> dict:

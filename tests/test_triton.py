@@ -23,7 +23,7 @@ from test_fused_loss import CONFIGS, _compare, _problem, _run
 from test_head import CASES, Case, _ids, check_against_reference, make_inputs, run_case
 
 import logitless
-from logitless.kernels import resolve_backend
+from logitless.contract.backend import resolve_backend
 
 pytestmark = [
     pytest.mark.skipif(
@@ -41,7 +41,7 @@ triton_op = functools.partial(logitless.linear_logprobs, backend="triton")
 @pytest.fixture
 def narrow_chunks(monkeypatch):
     """Cut backward into many narrow vocabulary chunks (several workspace refills)."""
-    from logitless.kernels import triton_head
+    from logitless.backends import triton_kernels as triton_head
 
     monkeypatch.setattr(triton_head, "_WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(triton_head, "_MIN_VOCAB_CHUNK", 96)

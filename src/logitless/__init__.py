@@ -10,10 +10,10 @@ and document ids of packed streams), :mod:`logitless.parallel` (vocab / context 
 
 from . import advantages, losses, packing, parallel, reference  # noqa: F401  (importable by name)
 from .accumulation import StepAccumulator
-from .fused_loss import fused_policy_loss
-from .head import linear_logprobs
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
 from .modules import LinearLogprobs, LogprobHead, PolicyLossHead
+from .ops.fused_loss.op import fused_policy_loss
+from .ops.logprobs.op import linear_logprobs
 from .packing import next_token_labels
 from .parallel import VocabParallel
 from .sampling import SamplingMask

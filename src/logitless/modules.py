@@ -28,20 +28,17 @@ another), so the embedding lookup would get no unshard hook.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ._checks import check_full_precision
-from ._validate import _is_dtensor
-from .fused_loss import fused_policy_loss
-from .head import linear_logprobs
-from .kernels import Backend
+from .contract.checks import check_full_precision, is_dtensor
+from .contract.options import Backend, HeadOptions, SamplerOptions
 from .losses import LossNormalizer, PolicyLossConfig
 from .losses.checks import check_config
+from .ops.fused_loss.op import fused_loss_of
+from .ops.logprobs.op import logprobs_of
 from .parallel.vocab import VocabParallel
 from .sampling import SamplingMask
 from .types import LogProbs
@@ -49,74 +46,10 @@ from .types import LogProbs
 __all__ = ["HeadOptions", "LinearLogprobs", "LogprobHead", "PolicyLossHead", "SamplerOptions"]
 
 
-@dataclass(frozen=True)
-class HeadOptions:
-    """The head options a module stores once and passes to every call (the same names and
-    meanings as in :func:`~logitless.linear_logprobs`); ``repr`` lists them."""
-
-    temperature: float = 1.0
-    softcap: float | None = None
-    ignore_index: int = -100
-    chunk_size: int | None = None
-    head_dtype: torch.dtype | None = None
-    vocab_parallel: VocabParallel | None = None
-    backend: Backend = "auto"
-
-    def call_kwargs(self, temperature: float | torch.Tensor | None) -> dict:
-        """Keyword arguments of one call; a per-call ``temperature`` overrides the stored one."""
-        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if temperature is not None:
-            kwargs["temperature"] = temperature
-        return kwargs
-
-    def describe(self) -> str:
-        """``name=value`` pairs for ``extra_repr`` (unset vocab_parallel left out)."""
-        pairs = [
-            f"{f.name}={getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if not (f.name == "vocab_parallel" and self.vocab_parallel is None)
-        ]
-        return ", ".join(pairs)
-
-
-@dataclass(frozen=True)
-class SamplerOptions:
-    """The rollout sampler's settings a head module stores for sampling replay (the same
-    names and meanings as in :func:`~logitless.linear_logprobs`); all None: no replay."""
-
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    with_kept_mass: bool = False
-
-    def call_kwargs(self, sampling_mask, top_k, top_p, min_p) -> dict:
-        """Replay keyword arguments of one call: a per-call ``sampling_mask`` replaces the
-        stored settings; a per-call ``top_k`` / ``top_p`` / ``min_p`` overrides its own."""
-        if sampling_mask is not None:
-            return {"sampling_mask": sampling_mask, "with_kept_mass": self.with_kept_mass}
-        sampler = {
-            "top_k": self.top_k if top_k is None else top_k,
-            "top_p": self.top_p if top_p is None else top_p,
-            "min_p": self.min_p if min_p is None else min_p,
-        }
-        replaying = any(v is not None for v in sampler.values())
-        return sampler | {"with_kept_mass": self.with_kept_mass and replaying}
-
-    def describe(self) -> str:
-        """``name=value`` pairs of the settings that are set, for ``extra_repr``."""
-        out = ""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None or value is False:
-                continue
-            # Per-row settings: the shape, not the values.
-            shown = f"tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            out += f", {f.name}={shown}"
-        return out
-
-
 class LinearLogprobs(nn.Module):
-    """Thin module form of :func:`~logitless.linear_logprobs`: stores the options, owns no
+    """Thin module form of :func:`~logitless.linear_logprobs`: stores the options (a
+    :class:`~logitless.contract.options.HeadOptions` and a
+    :class:`~logitless.contract.options.SamplerOptions`, ``.options`` / ``.sampler``), owns no
     weight. ``LinearLogprobs(with_entropy=True)(hidden, weight, labels)`` equals
     ``linear_logprobs(hidden, weight, labels, with_entropy=True)``; a per-call ``temperature``
     (e.g. a per-token tensor) overrides the stored one. The sampler settings (``top_k``,
@@ -130,6 +63,7 @@ class LinearLogprobs(nn.Module):
         *,
         temperature: float = 1.0,
         softcap: float | None = None,
+        logit_scale: float | None = None,
         with_entropy: bool = False,
         ignore_index: int = -100,
         chunk_size: int | None = None,
@@ -142,11 +76,20 @@ class LinearLogprobs(nn.Module):
         with_kept_mass: bool = False,
     ) -> None:
         super().__init__()
-        self.with_entropy = with_entropy
         self.options = HeadOptions(
-            temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
+            temperature=temperature,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            with_entropy=with_entropy,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            head_dtype=head_dtype,
+            vocab_parallel=vocab_parallel,
+            backend=backend,
         )
-        self.sampler = SamplerOptions(top_k, top_p, min_p, with_kept_mass)
+        self.sampler = SamplerOptions(
+            top_k=top_k, top_p=top_p, min_p=min_p, with_kept_mass=with_kept_mass
+        )
 
     def forward(
         self,
@@ -162,20 +105,21 @@ class LinearLogprobs(nn.Module):
         min_p: float | torch.Tensor | None = None,
     ) -> LogProbs:
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
-        return linear_logprobs(
+        return logprobs_of(
             hidden,
             weight,
             labels,
-            bias=bias,
-            with_entropy=self.with_entropy,
-            **self.options.call_kwargs(temperature),
-            **self.sampler.call_kwargs(sampling_mask, top_k, top_p, min_p),
+            bias,
+            self.options.replace(temperature=temperature),
+            self.sampler.for_call(sampling_mask, top_k, top_p, min_p),
         )
 
+    @property
+    def with_entropy(self) -> bool:
+        return self.options.with_entropy
+
     def extra_repr(self) -> str:
-        return (
-            f"with_entropy={self.with_entropy}, {self.options.describe()}{self.sampler.describe()}"
-        )
+        return f"{self.options.describe()}{self.sampler.describe()}"
 
 
 def _fsdp(module: nn.Module) -> bool:
@@ -275,7 +219,7 @@ class _SharedHeadWeight(nn.Module):
                         f"`fully_shard([lm_head, head])`. Otherwise (load_state_dict("
                         f"assign=True), to_empty, re-tying) build the head after that step."
                     )
-        if _is_dtensor(weight) or (bias is not None and _is_dtensor(bias)):
+        if is_dtensor(weight) or (bias is not None and is_dtensor(bias)):
             raise ValueError(
                 f"{owner}: the head weight is a DTensor in forward (still sharded). FSDP2 "
                 f"gathers parameters in the forward hooks of the modules it was applied to: "
@@ -310,7 +254,7 @@ class LogprobHead(_SharedHeadWeight):
         source: module owning the head weight: ``nn.Linear(H, V)`` (its ``[V, H]`` weight and
             optional ``[V]`` bias), ``nn.Embedding(V, H)`` (tied embeddings), or any module
             with an ``nn.Parameter`` ``weight`` ``[V, H]`` (and optionally ``bias`` ``[V]``).
-        temperature, softcap, with_entropy, ignore_index, chunk_size, head_dtype,
+        temperature, softcap, logit_scale, with_entropy, ignore_index, chunk_size, head_dtype,
             vocab_parallel, backend: as in :func:`~logitless.linear_logprobs`.
         top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
             replay, as in :func:`~logitless.linear_logprobs` (None: not used).
@@ -354,6 +298,7 @@ class LogprobHead(_SharedHeadWeight):
         *,
         temperature: float = 1.0,
         softcap: float | None = None,
+        logit_scale: float | None = None,
         with_entropy: bool = False,
         ignore_index: int = -100,
         chunk_size: int | None = None,
@@ -366,10 +311,19 @@ class LogprobHead(_SharedHeadWeight):
         with_kept_mass: bool = False,
     ) -> None:
         super().__init__(source)
-        self.sampler = SamplerOptions(top_k, top_p, min_p, with_kept_mass)
-        self.with_entropy = with_entropy
         self.options = HeadOptions(
-            temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
+            temperature=temperature,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            with_entropy=with_entropy,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            head_dtype=head_dtype,
+            vocab_parallel=vocab_parallel,
+            backend=backend,
+        )
+        self.sampler = SamplerOptions(
+            top_k=top_k, top_p=top_p, min_p=min_p, with_kept_mass=with_kept_mass
         )
 
     def forward(
@@ -386,14 +340,13 @@ class LogprobHead(_SharedHeadWeight):
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
         weight, bias = self._current_parameters()
         check_full_precision(temperature=temperature, top_p=top_p, min_p=min_p)
-        out = linear_logprobs(
+        out = logprobs_of(
             hidden,
             weight,
             labels,
-            bias=bias,
-            with_entropy=self.with_entropy,
-            **self.options.call_kwargs(temperature),
-            **self.sampler.call_kwargs(sampling_mask, top_k, top_p, min_p),
+            bias,
+            self.options.replace(temperature=temperature),
+            self.sampler.for_call(sampling_mask, top_k, top_p, min_p),
         )
         # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
         # output that is a view would drop it (torch warns about views). [N]-sized copies.
@@ -402,12 +355,15 @@ class LogprobHead(_SharedHeadWeight):
             **{k: t.clone() for k, t in zip(out._fields, out, strict=True) if _is_view(t)}
         )
 
+    @property
+    def with_entropy(self) -> bool:
+        return self.options.with_entropy
+
     def extra_repr(self) -> str:
         vocab, dim = self.weight.shape
         return (
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, "
-            f"with_entropy={self.with_entropy}, {self.options.describe()}"
-            f"{self.sampler.describe()}"
+            f"{self.options.describe()}{self.sampler.describe()}"
         )
 
 
@@ -428,8 +384,8 @@ class PolicyLossHead(_SharedHeadWeight):
         source: module owning the ``[V, H]`` weight (and optional ``[V]`` bias), as in
             :class:`LogprobHead`.
         config: the :class:`~logitless.PolicyLossConfig`.
-        temperature, softcap, head_dtype, chunk_size, ignore_index, vocab_parallel, backend:
-            as in :func:`~logitless.fused_policy_loss`.
+        temperature, softcap, logit_scale, head_dtype, chunk_size, ignore_index, vocab_parallel,
+            backend: as in :func:`~logitless.fused_policy_loss`.
         top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
             replay, as in :func:`~logitless.fused_policy_loss` (None: not used).
 
@@ -470,6 +426,7 @@ class PolicyLossHead(_SharedHeadWeight):
         config: PolicyLossConfig | None = None,
         temperature: float = 1.0,
         softcap: float | None = None,
+        logit_scale: float | None = None,
         head_dtype: torch.dtype | None = None,
         chunk_size: int | None = None,
         ignore_index: int = -100,
@@ -487,9 +444,18 @@ class PolicyLossHead(_SharedHeadWeight):
         super().__init__(source)
         self.config = config
         self.options = HeadOptions(
-            temperature, softcap, ignore_index, chunk_size, head_dtype, vocab_parallel, backend
+            temperature=temperature,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            head_dtype=head_dtype,
+            vocab_parallel=vocab_parallel,
+            backend=backend,
         )
-        self.sampler = SamplerOptions(top_k, top_p, min_p, with_kept_mass)
+        self.sampler = SamplerOptions(
+            top_k=top_k, top_p=top_p, min_p=min_p, with_kept_mass=with_kept_mass
+        )
 
     def forward(
         self,
@@ -511,20 +477,20 @@ class PolicyLossHead(_SharedHeadWeight):
         """``(loss, metrics)`` of :func:`~logitless.fused_policy_loss` with this head's weight."""
         weight, bias = self._current_parameters()
         check_full_precision(top_p=top_p, min_p=min_p)
-        return fused_policy_loss(
+        return fused_loss_of(
             hidden,
             weight,
             labels,
+            bias,
+            self.options.replace(temperature=temperature),
+            self.sampler.for_call(sampling_mask, top_k, top_p, min_p),
             old_logprobs,
             advantages,
             config=self.config,
-            bias=bias,
             document_ids=document_ids,
             ref_logprobs=ref_logprobs,
             rollout_logprobs=rollout_logprobs,
             normalizer=normalizer,
-            **self.options.call_kwargs(temperature),
-            **self.sampler.call_kwargs(sampling_mask, top_k, top_p, min_p),
         )
 
     def extra_repr(self) -> str:

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_int as _check_int
-from ._checks import check_same_device as _check_same_device
-from ._checks import check_tensor as _check_tensor
-from ._checks import fmt_shape as _shape
+from .contract.checks import check_int as _check_int
+from .contract.checks import check_same_device as _check_same_device
+from .contract.checks import check_tensor as _check_tensor
+from .contract.checks import fmt_shape as _shape
 
 __all__ = [
     "cu_seqlens_to_document_ids",

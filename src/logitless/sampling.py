@@ -26,13 +26,10 @@ from typing import NamedTuple
 
 import torch
 
+from .contract.checks import INT_DTYPES as _INT_DTYPES
+from .contract.checks import fmt_shape as _shape
+
 __all__ = ["SamplingMask"]
-
-_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"[{', '.join(str(s) for s in t.shape)}]"
 
 
 class SamplingMask(NamedTuple):

@@ -11,7 +11,7 @@ including an input embedding tied to the head (its two gradients sum into one ``
 **Which models.** Only classes whose ``forward`` has been read and whose results the tests
 compare with ``model(...).logits`` (see :data:`SUPPORTED_MODELS`): the logits are
 ``lm_head(final hidden states)``, plus Gemma-2/3's final-logit soft-capping (passed to the op
-as ``softcap``) or Cohere's / Granite's constant logit scale (folded into the temperature).
+as ``softcap``) or Cohere's / Granite's constant logit scale (passed as ``logit_scale``).
 Anything else, including a subclass that overrides ``forward``, a head that is not a plain
 ``nn.Linear`` and wrappers (PEFT's ``PeftModel``: pass ``peft_model.get_base_model()``), is
 refused with ``ValueError`` rather than risk different numbers.
@@ -38,21 +38,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from .._checks import check_flag
-from .._checks import fmt_shape as _shape
-from .._validate import HeadArgs, check_chunk_size, check_head_args, with_hidden
-from .._validate_replay import ReplayArgs, check_replay_call
-from ..fused_loss import fused_loss_of_checked
-from ..head import logprobs_of_checked
-from ..kernels import Backend
+from ..contract.checks import fmt_shape as _shape
+from ..contract.head import HeadCall, check_head_call, with_hidden
+from ..contract.options import Backend, HeadOptions, SamplerOptions
 from ..losses import LossNormalizer, PolicyLossConfig
-from ..losses.checks import check_config, check_policy_loss
+from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call
+from ..ops.logprobs.op import logprobs_of_call
 from ..packing import (
     cu_seqlens_to_position_ids,
     next_token_labels,
@@ -75,7 +71,7 @@ __all__ = [
 class CausalLMHead(NamedTuple):
     """The LM head of a causal LM as the head op takes it.
 
-    The model's logits are ``softcap(F.linear(h, weight, bias)) * logit_scale``, where
+    The model's logits are ``softcap(F.linear(h, weight, bias) * logit_scale)``, where
     ``softcap(z) = c·tanh(z / c)`` when ``softcap`` is a float ``c`` and the identity when None.
 
     weight: ``[V, H]`` the head's Parameter itself (the input embedding's when tied).
@@ -405,105 +401,106 @@ def _model_position_ids(
     return cu_seqlens_to_position_ids(cu_seqlens, total=total).clamp(min=0)[None]
 
 
-def _head_dtype(head_dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
-    """Under autocast ``lm_head`` runs in the autocast dtype: so does the head op."""
-    if head_dtype is None and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return head_dtype
+def _head_options(options: HeadOptions, head: CausalLMHead) -> HeadOptions:
+    """The call's options with what the model's forward does to the logits (its softcap and
+    logit scale) and, under autocast, the autocast dtype for the projection (``lm_head`` runs
+    in it)."""
+    head_dtype = options.head_dtype
+    if head_dtype is None and torch.is_autocast_enabled(head.weight.device.type):
+        head_dtype = torch.get_autocast_dtype(head.weight.device.type)
+    return options.replace(
+        softcap=head.softcap,
+        logit_scale=None if head.logit_scale == 1.0 else head.logit_scale,
+        head_dtype=head_dtype,
+    )
 
 
-def _effective_temperature(
-    temperature: float | torch.Tensor, logit_scale: float
-) -> float | torch.Tensor:
-    """``(z * scale) / T == z / (T / scale)``: the logit scale folds into the temperature."""
-    if logit_scale == 1.0:
-        return temperature
-    if isinstance(temperature, torch.Tensor):
-        return temperature / logit_scale
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        return temperature  # the head's check reports it
-    return float(temperature) / logit_scale
+class _ModelBatch(NamedTuple):
+    """The backbone's inputs and what the targets are built from (see
+    :func:`causal_lm_logprobs`)."""
 
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    target_ids: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
 
-class _Prepared(NamedTuple):
-    """A checked call: the head, the head contract's arguments (on a placeholder of the hidden
-    states, swapped for the real ones after the backbone), the projection dtype and the
-    checked sampling replay arguments."""
-
-    head: CausalLMHead
-    args: HeadArgs
-    head_dtype: torch.dtype | None
-    replay: ReplayArgs | None  # flat over the label positions: any [B, T] -> [N] view keeps it
-
-
-def _prepare(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    target_ids: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    response_mask: torch.Tensor | None,
-    temperature: float | torch.Tensor,
-    chunk_size: int | None,
-    head_dtype: torch.dtype | None,
-    ignore_index: int,
-    backend: object,
-    model_kwargs: dict[str, Any],
-    replay: dict[str, Any] | None = None,
-) -> _Prepared:
-    """Every check that needs no FLOP, before the backbone runs: model, inputs, targets, the
-    head contract (one check: label range, temperature, dtypes, devices, backend) and the
-    sampling replay arguments ``replay``."""
-    check_chunk_size(chunk_size)
-    head = causal_lm_head(model)
-    _backbone(model)
-    _check_model_kwargs(model_kwargs)
-    input_ids = _check_input_ids(input_ids)
-    if input_ids.device != head.weight.device:
-        raise ValueError(
-            f"input_ids must be on the model's device {head.weight.device}, got {input_ids.device}"
-        )
-    if target_ids is None:
-        labels = causal_lm_labels(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cu_seqlens=cu_seqlens,
-            response_mask=response_mask,
-            ignore_index=ignore_index,
-        )
-    else:
-        if response_mask is not None:
+    def targets(self, ignore_index: int) -> torch.Tensor:
+        """``[B, T]`` targets aligned like the logits: given, or :func:`causal_lm_labels`."""
+        if self.target_ids is None:
+            return causal_lm_labels(
+                self.input_ids,
+                attention_mask=self.attention_mask,
+                position_ids=self.position_ids,
+                cu_seqlens=self.cu_seqlens,
+                response_mask=self.response_mask,
+                ignore_index=ignore_index,
+            )
+        if self.response_mask is not None:
             raise ValueError(
                 "give target_ids or response_mask, not both: with explicit target_ids, set the "
                 "positions you do not want to ignore_index"
             )
-        labels = target_ids
-        if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
-            got = _shape(labels) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        t = self.target_ids
+        if not isinstance(t, torch.Tensor) or t.shape != self.input_ids.shape:
+            got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
-                f"target_ids must have input_ids' shape {_shape(input_ids)}, got {got}"
+                f"target_ids must have input_ids' shape {_shape(self.input_ids)}, got {got}"
             )
         # The model inputs the backbone will get.
-        _check_model_inputs(input_ids, attention_mask, position_ids, cu_seqlens, None, ignore_index)
-    temperature = _effective_temperature(temperature, head.logit_scale)
-    head_dtype = _head_dtype(head_dtype, head.weight.device)
+        _check_model_inputs(
+            self.input_ids, self.attention_mask, self.position_ids, self.cu_seqlens, None,
+            ignore_index,
+        )  # fmt: skip
+        return t
+
+    def hidden_states(self, model: nn.Module, model_kwargs: dict[str, Any]) -> torch.Tensor:
+        """The backbone's final hidden states ``[B, T, H]`` (with ``cu_seqlens``, position ids
+        restarting at each document)."""
+        position_ids = _model_position_ids(
+            self.position_ids, self.cu_seqlens, self.input_ids.shape[1]
+        )
+        return causal_lm_hidden_states(
+            model,
+            self.input_ids,
+            attention_mask=self.attention_mask,
+            position_ids=position_ids,
+            **model_kwargs,
+        )
+
+
+class _Prepared(NamedTuple):
+    """A checked call (on a placeholder of the hidden states, swapped for the real ones after
+    the backbone) and the options it was checked with."""
+
+    call: HeadCall
+    options: HeadOptions
+
+
+def _prepare(
+    model: nn.Module,
+    batch: _ModelBatch,
+    options: HeadOptions,
+    sampler: SamplerOptions,
+    model_kwargs: dict[str, Any],
+) -> _Prepared:
+    """Every check that needs no FLOP, before the backbone runs: model, inputs, targets, and
+    the head contract (one check: label range, temperature, dtypes, devices, backend, the
+    sampler's kept sets)."""
+    head = causal_lm_head(model)
+    _backbone(model)
+    _check_model_kwargs(model_kwargs)
+    input_ids = _check_input_ids(batch.input_ids)
+    if input_ids.device != head.weight.device:
+        raise ValueError(
+            f"input_ids must be on the model's device {head.weight.device}, got {input_ids.device}"
+        )
+    labels = batch.targets(options.ignore_index)
+    options = _head_options(options, head)
     placeholder = head.weight.new_zeros(()).detach().expand(*labels.shape, head.weight.shape[1])
-    args = check_head_args(
-        placeholder,
-        head.weight,
-        labels,
-        bias=head.bias,
-        temperature=temperature,
-        softcap=head.softcap,
-        ignore_index=ignore_index,
-        head_dtype=head_dtype,
-        backend=backend,
-    )
-    checked = check_replay_call(args, ignore_index, vocab_parallel=None, **(replay or {}))
-    return _Prepared(head, args, head_dtype, checked)
+    call = check_head_call(placeholder, head.weight, labels, head.bias, options, sampler)
+    return _Prepared(call, options)
 
 
 def causal_lm_hidden_states(
@@ -618,47 +615,22 @@ def causal_lm_logprobs(
     (torch.Size([2, 6]), True)
     >>> out.logprobs.sum().backward()                # gradients reach every model parameter
     """
-    check_flag("with_entropy", with_entropy)
-    replay = dict(
-        sampling_mask=sampling_mask,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        with_kept_mass=with_kept_mass,
-    )
-    prep = _prepare(
-        model,
-        input_ids,
-        target_ids=target_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cu_seqlens=cu_seqlens,
-        response_mask=response_mask,
+    options = HeadOptions(
         temperature=temperature,
+        with_entropy=with_entropy,
+        ignore_index=ignore_index,
         chunk_size=chunk_size,
         head_dtype=head_dtype,
-        ignore_index=ignore_index,
         backend=backend,
-        model_kwargs=model_kwargs,
-        replay=replay,
     )
-    hidden = causal_lm_hidden_states(
-        model,
-        input_ids,
-        attention_mask=attention_mask,
-        position_ids=_model_position_ids(position_ids, cu_seqlens, input_ids.shape[1]),
-        **model_kwargs,
+    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
+    batch = _ModelBatch(
+        input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
+    prep = _prepare(model, batch, options, sampler, model_kwargs)
+    hidden = batch.hidden_states(model, model_kwargs)
     with torch.autocast(hidden.device.type, enabled=False):
-        return logprobs_of_checked(
-            with_hidden(prep.args, hidden, prep.head_dtype),
-            with_entropy=with_entropy,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            vocab_parallel=None,
-            replay=prep.replay,
-            with_kept_mass=with_kept_mass,
-        )
+        return logprobs_of_call(with_hidden(prep.call, hidden, prep.options))
 
 
 def _document_ids(
@@ -785,79 +757,37 @@ def causal_lm_policy_loss(
     ...     config=logitless.PolicyLossConfig(), response_mask=response)
     >>> loss.backward()
     """
-    check_config(config)
-    replay = dict(
-        sampling_mask=sampling_mask,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        with_kept_mass=with_kept_mass,
-    )
-    prep = _prepare(
-        model,
-        input_ids,
-        target_ids=target_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cu_seqlens=cu_seqlens,
-        response_mask=response_mask,
+    options = HeadOptions(
         temperature=temperature,
+        with_entropy=isinstance(config, PolicyLossConfig) and config.entropy_coef != 0,
+        ignore_index=ignore_index,
         chunk_size=chunk_size,
         head_dtype=head_dtype,
-        ignore_index=ignore_index,
         backend=backend,
-        model_kwargs=model_kwargs,
-        replay=replay,
     )
-    args = prep.args
-    labels = args.labels.reshape(args.batch_shape)
+    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
+    batch = _ModelBatch(
+        input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
+    )
+    prep = _prepare(model, batch, options, sampler, model_kwargs)
+    call = prep.call
     document_ids = _document_ids(document_ids, attention_mask, position_ids, cu_seqlens, input_ids)
+    loss_inputs = {"old_logprobs": old_logprobs, "advantages": advantages}
+    loss_inputs |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
     if document_ids is not None:
         # Sequences are documents, not rows: the loss sees the flat [N] token stream, where
         # per-sequence advantages are one per document id (policy_loss's packed form).
-        flat = _Flattener(labels.shape)
-        old_logprobs = flat("old_logprobs", old_logprobs)
-        advantages = flat("advantages", advantages, per_sequence_ok=True)
+        flat = _Flattener(call.batch_shape)
+        loss_inputs = {
+            k: flat(k, v, per_sequence_ok=k == "advantages") for k, v in loss_inputs.items()
+        }
         document_ids = flat("document_ids", document_ids)
-        ref_logprobs = flat("ref_logprobs", ref_logprobs)
-        rollout_logprobs = flat("rollout_logprobs", rollout_logprobs)
-        args = replace(args, batch_shape=torch.Size([labels.numel()]))
-        labels = labels.reshape(-1)
-    # The loss contract, checked once before the backbone; the log-probs lend their shape.
-    like = torch.zeros(labels.shape, device=labels.device)
-    call = check_policy_loss(
-        like,
-        old_logprobs,
-        advantages,
-        labels != ignore_index,
-        config=config,
-        document_ids=document_ids,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        entropy=like if config.entropy_coef != 0 else None,
-        normalizer=normalizer,
+        call = call.replace(batch_shape=torch.Size([call.labels.numel()]))
+    # The loss contract, checked once before the backbone.
+    loss_call = check_loss_of_head(
+        call, config=config, document_ids=document_ids, normalizer=normalizer, **loss_inputs
     )
-    hidden = causal_lm_hidden_states(
-        model,
-        input_ids,
-        attention_mask=attention_mask,
-        position_ids=_model_position_ids(position_ids, cu_seqlens, input_ids.shape[1]),
-        **model_kwargs,
-    )
-    hidden = hidden.reshape(*args.batch_shape, hidden.shape[-1])
+    hidden = batch.hidden_states(model, model_kwargs)
+    hidden = hidden.reshape(*call.batch_shape, hidden.shape[-1])
     with torch.autocast(hidden.device.type, enabled=False):
-        return fused_loss_of_checked(
-            with_hidden(args, hidden, prep.head_dtype),
-            call,
-            config=config,
-            old_logprobs=old_logprobs,
-            advantages=advantages,
-            ref_logprobs=ref_logprobs,
-            rollout_logprobs=rollout_logprobs,
-            normalizer=normalizer,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            vocab_parallel=None,
-            replay=prep.replay,
-            with_kept_mass=with_kept_mass,
-        )
+        return fused_loss_of_call(with_hidden(call, hidden, prep.options), loss_call)

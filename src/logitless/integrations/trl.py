@@ -49,9 +49,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..fused_loss import fused_policy_loss
-from ..head import linear_logprobs
 from ..losses import LossNormalizer, PolicyLossConfig
+from ..ops.fused_loss.op import fused_policy_loss
+from ..ops.logprobs.op import linear_logprobs
 from . import hf
 
 try:
@@ -408,15 +408,16 @@ class _Layout(NamedTuple):
 
 
 def _head_kwargs(head: hf.CausalLMHead, temperature: float, device: torch.device) -> dict:
-    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (the
-    logit scale folds into the temperature; under autocast the head runs in its dtype)."""
+    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (its
+    softcap and logit scale; under autocast the head runs in the autocast dtype)."""
     head_dtype = None
     if torch.is_autocast_enabled(device.type):
         head_dtype = torch.get_autocast_dtype(device.type)
     return dict(
         bias=head.bias,
-        temperature=float(temperature) / head.logit_scale,
+        temperature=float(temperature),
         softcap=head.softcap,
+        logit_scale=None if head.logit_scale == 1.0 else head.logit_scale,
         head_dtype=head_dtype,
     )
 

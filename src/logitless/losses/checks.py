@@ -9,11 +9,9 @@ agreement checks, and under context parallelism one collective.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from .._checks import check_full_precision, fmt_shape
+from ..contract.checks import check_full_precision, fmt_shape
 from ..parallel import collectives
 from ._segments import (
     Segments,
@@ -21,10 +19,11 @@ from ._segments import (
     id_counters,
     segments_from_counters,
 )
+from .call import DocumentStats, LossCall
 from .config import PolicyLossConfig
 from .normalizer import LossNormalizer
 
-__all__ = ["LossCall", "check_config", "check_policy_loss"]
+__all__ = ["check_config", "check_policy_loss"]
 
 
 def check_config(config: object) -> PolicyLossConfig:
@@ -38,45 +37,6 @@ def check_config(config: object) -> PolicyLossConfig:
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
     return config
-
-
-class LossCall(NamedTuple):
-    """The layout of one checked call.
-
-    seg: document of each flattened token (``[N]`` int64, -1 = padding) and the length of
-        per-document buffers (over the context group: 1 + its largest id).
-    adv_len: number of per-sequence advantages, or None for per-token advantages.
-    norm_length: Dr.GRPO's ``L`` for ``seq_mean_token_sum_norm``, else None.
-    key: fingerprint of the config and input layout (what document statistics must match).
-    group: the context-parallel group, or None.
-    """
-
-    seg: Segments
-    adv_len: int | None
-    norm_length: float | None
-    key: int
-    group: object | None
-
-    def valid_and_dtype(self, logprobs: torch.Tensor, mask: torch.Tensor):
-        """``[N]`` bool of the tokens that count, and the compute dtype (bf16 in -> fp32)."""
-        valid = mask.reshape(-1) & (self.seg.ids >= 0)
-        return valid, torch.promote_types(logprobs.dtype, torch.float32)
-
-    def token_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
-        """Per-token ``[N]`` advantages from per-token or per-sequence input."""
-        if self.adv_len is None:
-            return advantages.reshape(-1)
-        slot = self.seg.ids.clamp(min=0)  # [N]; padding reads document 0 and is masked later
-        return advantages[slot] if advantages.numel() else advantages.new_zeros(slot.shape)
-
-
-def clean(t: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` flattened to ``[N]`` in ``dtype``, 0 at tokens that do not count.
-
-    Invalid tokens may hold -inf/NaN log-probs; they must not reach exp() or the backward pass
-    (0 · NaN = NaN), so they are replaced by 0 before any arithmetic.
-    """
-    return torch.where(valid, t.reshape(-1).to(dtype), 0.0)
 
 
 def _check_float(name: str, t: object, shape: torch.Size) -> torch.Tensor:
@@ -390,8 +350,6 @@ def _read_values(
 
 
 def _check_stats(stats: object, key: int, seg: Segments) -> None:
-    from .stats import DocumentStats
-
     if not isinstance(stats, DocumentStats):
         raise ValueError(f"document_stats must be a DocumentStats, got {type(stats).__name__}")
     if stats.key != key:
@@ -413,7 +371,7 @@ def check_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    config: PolicyLossConfig,
+    config: PolicyLossConfig | None,
     document_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
@@ -493,4 +451,17 @@ def check_policy_loss(
     if document_stats is not None:
         size = document_stats.size
     _check_advantage_count(advantages, adv_len, smallest, size, group is not None)
-    return LossCall(Segments(seg.ids, size), adv_len, norm_length, key, group)
+    return LossCall(
+        config=config,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        mask=mask,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        normalizer=normalizer,
+        seg=Segments(seg.ids, size),
+        adv_len=adv_len,
+        norm_length=norm_length,
+        key=key,
+        group=group,
+    )

@@ -1,39 +1,28 @@
-"""``policy_loss``: one entry point composing ratio, surrogate, corrections, KL, entropy.
+"""``policy_loss``: one entry point, and the short driver that composes a loss from its parts.
 
 The contract is checked once (:func:`~logitless.losses.checks.check_policy_loss`); the
-per-document statistics come from :mod:`.stats`, the metrics helpers from :mod:`.metrics`.
+per-document statistics come from :mod:`.stats`; the surrogate is one of
+:data:`~logitless.losses.surrogates.SURROGATES`; the other parts (ratio masks, mismatch
+correction, KL, entropy) are the registered :data:`~logitless.losses.terms.TERMS`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._segments import gather
-from .aggregation import aggregation_weights, metric_weights
-from .checks import LossCall, check_policy_loss, clean
+from .call import DocumentStats, LossCall
+from .checks import check_policy_loss
 from .config import PolicyLossConfig
-from .kl import importance_weighted_kl, kl_k3, kl_penalty
+from .kl import kl_k3
 from .metrics import extreme, finish_metrics, weighted_mean
-from .mismatch import sequence_keep, token_band_mask, truncated_is_from_total, truncated_is_token
 from .normalizer import LossNormalizer
-from .ratio import sequence_log_ratio_from_mean, sequence_mean_log_ratio, token_log_ratio
-from .stats import DocumentStats, compute_document_stats
-from .surrogates import MAX_LOG_RATIO, SURROGATES
+from .ratio import sequence_log_ratio_from_mean, token_log_ratio
+from .stats import compute_document_stats
+from .surrogates import MAX_LOG_RATIO, SURROGATES, Surrogate
+from .terms import TERMS
+from .tokens import LossTokens
 
 __all__ = ["policy_loss"]
-
-
-def _keep_mask(like, token_log, token_band, doc_log, seq_mode, seq_range, n_doc, seg):
-    """``[N]`` 0/1 weights: a token is kept when ``token_log`` ``[N]`` lies in ``token_band``
-    (if set) and its document's ``doc_log()`` ``[D]`` passes ``seq_mode`` within ``seq_range``
-    (if set; ``doc_log`` is only called then)."""
-    keep = torch.ones_like(like)
-    if token_band is not None:
-        keep = keep * token_band_mask(token_log, *token_band)
-    if seq_mode is not None:
-        lo, hi = seq_range
-        keep = keep * gather(sequence_keep(doc_log(), n_doc, seq_mode, lo, hi), seg)
-    return keep
 
 
 def policy_loss(
@@ -131,194 +120,88 @@ def policy_loss(
         context_group=context_group,
         document_stats=document_stats,
     )
-    return compute_policy_loss(
-        call,
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        config=config,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        entropy=entropy,
-        normalizer=normalizer,
-        document_stats=document_stats,
-    )
+    return compute_policy_loss(call, logprobs, entropy, document_stats)
+
+
+def _surrogate(t: LossTokens) -> tuple[Surrogate, torch.Tensor]:
+    """The config's surrogate at these tokens, and the log-ratio it used (per token, or in
+    GSPO's token form with each document's mean)."""
+    c = t.config
+    token_lr = token_log_ratio(t.lp, t.old)  # [N]
+    if c.ratio_level == "sequence":
+        log_ratio = sequence_log_ratio_from_mean(t.lp, t.doc_mean(t.stats.log_ratio))  # GSPO
+    else:
+        log_ratio = token_lr
+    gmpo_mean = t.doc_mean(t.stats.clipped_log_ratio) if c.sums_clipped_log_ratio else None
+    return SURROGATES[c.surrogate].run(c, log_ratio, t.lp, t.old, t.adv, gmpo_mean), log_ratio
+
+
+def _surrogate_metrics(t: LossTokens, sur: Surrogate, log_ratio: torch.Tensor) -> dict:
+    """Clip fractions, the ratio's mean and extremes, and the approximate KL to π_old."""
+    dtype, mw = t.dtype, t.mweights
+    ratio = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N]
+    out = {
+        "clip_frac_low": weighted_mean(sur.clipped_low.to(dtype), mw),
+        "clip_frac_high": weighted_mean(sur.clipped_high.to(dtype), mw),
+    }
+    if sur.clipped_dual is not None:
+        out["clip_frac_dual"] = weighted_mean(sur.clipped_dual.to(dtype), mw)
+    out["ratio_mean"] = weighted_mean(ratio, mw)
+    out["ratio_min"] = extreme(ratio, t.valid, largest=False)
+    out["ratio_max"] = extreme(ratio, t.valid, largest=True)
+    # KL(π_old ‖ π_θ) from samples of π_old, k3 with r = π_θ/π_old (Schulman 2020)
+    out["approx_kl"] = weighted_mean(kl_k3(t.old, t.lp.detach(), MAX_LOG_RATIO), mw)
+    return out
 
 
 def compute_policy_loss(
     call: LossCall,
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    config: PolicyLossConfig,
-    ref_logprobs: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    normalizer: LossNormalizer | None = None,
     document_stats: DocumentStats | None = None,
     reduce_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`policy_loss` of a call already checked by ``check_policy_loss`` (no checks
-    here). ``reduce_metrics=False`` skips the metrics' collectives under context parallelism
-    (for repeated evaluations whose metrics are discarded)."""
-    seg = call.seg
-    group = call.group if reduce_metrics else None
-    grouped = call.group is not None
-    valid, dtype = call.valid_and_dtype(logprobs, mask)
-    lp = clean(logprobs, valid, dtype)  # [N]
-    old = clean(old_logprobs, valid, dtype).detach()  # [N]
-    adv = clean(call.token_advantages(advantages).detach(), valid, dtype)  # [N]
-    validf = valid.to(dtype)  # [N]
-    rollout = None if rollout_logprobs is None else clean(rollout_logprobs, valid, dtype)
+    here), at ``logprobs`` (and ``entropy``). ``reduce_metrics=False`` skips the metrics'
+    collectives under context parallelism (for repeated evaluations whose metrics are
+    discarded).
 
-    # per-document statistics (one all-reduce under context parallelism) and counts
+    The surrogate gives the policy term; each registered term multiplies it (masks, IS
+    weights) or adds a part of its own (KL, entropy); ``loss = Σ_t w_t · L_t``.
+    """
     stats = document_stats
     if stats is None:
-        stats = compute_document_stats(
-            call, config, logprobs, old_logprobs, advantages, mask, rollout_logprobs
-        )
-
-    def per_doc(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype)  # stats may come from a call in another dtype
-
-    n_doc = per_doc(stats.tokens)  # [D]
-    tokens_in_doc = gather(n_doc, seg)  # [N]
-    call_tokens = n_doc.sum()
-    call_seqs = (n_doc > 0).sum().to(dtype)
-    if normalizer is None:
-        num_tokens, num_seqs = call_tokens, call_seqs
-    else:
-        num_tokens = torch.as_tensor(normalizer.num_tokens, dtype=dtype, device=lp.device)
-        num_seqs = torch.as_tensor(normalizer.num_sequences, dtype=dtype, device=lp.device)
-    weights = aggregation_weights(
-        config.aggregation, validf, tokens_in_doc, num_tokens, num_seqs, call.norm_length
-    )  # [N]
-    mweights = metric_weights(config.aggregation, validf, tokens_in_doc, num_tokens, num_seqs)
-
-    def doc_mean(total: torch.Tensor) -> torch.Tensor:
-        return gather(per_doc(total) / n_doc.clamp(min=1.0), seg)  # [N]
-
-    # ratio and surrogate
-    token_lr = token_log_ratio(lp, old)  # [N]
-    if config.ratio_level == "sequence":
-        log_ratio = sequence_log_ratio_from_mean(lp, doc_mean(stats.log_ratio))  # GSPO token form
-    else:
-        log_ratio = token_lr
-    gmpo_mean = doc_mean(stats.clipped_log_ratio) if config.surrogate == "gmpo" else None
-    sur = SURROGATES[config.surrogate].run(config, log_ratio, lp, old, adv, gmpo_mean)
-    per_token = sur.loss  # [N]
-
+        stats = compute_document_stats(call, logprobs)
+    t = LossTokens.of(call, logprobs, entropy, stats)
+    sur, log_ratio = _surrogate(t)
+    policy = sur.loss  # [N]
     metrics: dict[str, torch.Tensor] = {}
+    total_parts, own_weights = [], []
+    for term in TERMS.values():
+        part = term(t)
+        if part is None:
+            continue
+        metrics.update(part.metrics)
+        if part.factor is not None:
+            policy = policy * part.factor
+        if part.addend is not None:
+            (total_parts if part.weights is None else own_weights).append(part)
+    total = policy
+    for part in total_parts:
+        total = total + part.addend
+    loss = (torch.where(t.valid, total, 0.0) * t.weights).sum()
+    for part in own_weights:
+        loss = loss + (torch.where(t.valid, part.addend, 0.0) * part.weights).sum()
 
-    # band masks on the current ratio π_θ/π_old (prime-rl): masked tokens keep their place in
-    # the denominators, like the mismatch masks below
-    if config.ratio_token_mask is not None or config.ratio_seq_mask is not None:
-        keep_ratio = _keep_mask(
-            lp,
-            token_lr,
-            config.ratio_token_mask,
-            lambda: per_doc(stats.log_ratio),
-            config.ratio_seq_mask,
-            config.ratio_seq_mask_range,
-            n_doc,
-            seg,
-        )  # [N]
-        per_token = per_token * keep_ratio
-        metrics["ratio_masked_frac"] = weighted_mean(1.0 - keep_ratio, mweights)
-
-    # train/inference mismatch correction
-    if rollout is not None:
-        log_rho = old - rollout.detach()  # [N], log π_old/π_rollout
-        # mismatch_kl: KL(π_rollout ‖ π_old) from rollout samples, k3 with ρ = π_old/π_rollout
-        is_weight = torch.ones_like(lp)  # [N]
-        if config.mismatch_is == "token":
-            is_weight = truncated_is_token(
-                log_rho, config.mismatch_is_cap, config.mismatch_is_floor
-            )
-        elif config.mismatch_is == "sequence":
-            total_rho = per_doc(stats.log_rho)  # [D]
-            weight = truncated_is_from_total(
-                total_rho, config.mismatch_is_cap, config.mismatch_is_floor
-            )  # [D]
-            is_weight = gather(weight, seg)
-        keep = _keep_mask(
-            lp,
-            log_rho,
-            config.mismatch_token_mask,
-            lambda: per_doc(stats.log_rho),
-            config.mismatch_seq_mask,
-            config.mismatch_seq_mask_range,
-            n_doc,
-            seg,
-        )  # [N]
-        per_token = per_token * (is_weight * keep)
-        # clamped like approx_kl: a rollout log-prob of -inf (probability 0) keeps it finite
-        lr = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        metrics["mismatch_kl"] = weighted_mean(torch.expm1(lr) - lr, mweights)
-        metrics["is_weight_mean"] = weighted_mean(is_weight, mweights)
-        metrics["is_weight_min"] = extreme(is_weight, valid, largest=False)
-        metrics["is_weight_max"] = extreme(is_weight, valid, largest=True)
-        metrics["is_masked_frac"] = weighted_mean(1.0 - keep, mweights)
-
-    pg_part = per_token
-    total = per_token
-    if ref_logprobs is not None:
-        kl = kl_penalty(
-            lp,
-            clean(ref_logprobs, valid, dtype),
-            config.kl_estimator,
-            config.kl_log_ratio_clamp,
-            config.kl_value_clamp,
-        )  # [N]
-        if config.kl_importance_weight:
-            if config.ratio_level == "sequence":  # s_d, differentiable in all its tokens
-                kl_log_ratio = sequence_mean_log_ratio(
-                    token_lr, valid, seg, per_doc(stats.log_ratio), n_doc
-                )
-            else:
-                kl_log_ratio = token_lr
-            kl = importance_weighted_kl(kl, kl_log_ratio)
-        metrics["kl_ref"] = weighted_mean(kl, mweights)
-        if config.kl_coef > 0:
-            total = total + config.kl_coef * kl
-    # the entropy term is aggregated like the loss unless entropy_aggregation says otherwise
-    ent_weights, ent_mweights = weights, mweights
-    if config.entropy_aggregation is not None:
-        counts = (validf, tokens_in_doc, num_tokens, num_seqs)
-        ent_weights = aggregation_weights(config.entropy_aggregation, *counts, call.norm_length)
-        ent_mweights = metric_weights(config.entropy_aggregation, *counts)
-    ent_part = None
-    if entropy is not None:
-        ent = clean(entropy, valid, dtype)  # [N]
-        metrics["entropy"] = weighted_mean(ent, ent_mweights)
-        if config.entropy_coef != 0 and config.entropy_aggregation is None:
-            total = total - config.entropy_coef * ent
-        elif config.entropy_coef != 0:
-            ent_part = -config.entropy_coef * ent
-
-    loss = (torch.where(valid, total, 0.0) * weights).sum()
-    if ent_part is not None:
-        loss = loss + (torch.where(valid, ent_part, 0.0) * ent_weights).sum()
-
-    ratio = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N]
     metrics["loss"] = loss.detach()
-    metrics["pg_loss"] = (torch.where(valid, pg_part, 0.0) * weights).sum().detach()
-    metrics["clip_frac_low"] = weighted_mean(sur.clipped_low.to(dtype), mweights)
-    metrics["clip_frac_high"] = weighted_mean(sur.clipped_high.to(dtype), mweights)
-    if sur.clipped_dual is not None:
-        metrics["clip_frac_dual"] = weighted_mean(sur.clipped_dual.to(dtype), mweights)
-    metrics["ratio_mean"] = weighted_mean(ratio, mweights)
-    metrics["ratio_min"] = extreme(ratio, valid, largest=False)
-    metrics["ratio_max"] = extreme(ratio, valid, largest=True)
-    # KL(π_old ‖ π_θ) from samples of π_old, k3 with r = π_θ/π_old (Schulman 2020)
-    metrics["approx_kl"] = weighted_mean(kl_k3(old, lp.detach(), MAX_LOG_RATIO), mweights)
+    metrics["pg_loss"] = (torch.where(t.valid, policy, 0.0) * t.weights).sum().detach()
+    metrics.update(_surrogate_metrics(t, sur, log_ratio))
+    call_tokens = t.n_doc.sum()
     metrics["num_tokens"] = call_tokens.detach()
-    metrics["num_sequences"] = call_seqs.detach()
-    finish_metrics(metrics, group, any_valid=call_tokens > 0 if grouped else valid.any())
-
-    if normalizer is not None and normalizer.loss_scale != 1.0:
-        loss = loss * normalizer.loss_scale
+    metrics["num_sequences"] = (t.n_doc > 0).sum().to(t.dtype).detach()
+    group = call.group if reduce_metrics else None
+    any_valid = call_tokens > 0 if call.group is not None else t.valid.any()
+    finish_metrics(metrics, group, any_valid=any_valid)
+    if call.normalizer is not None and call.normalizer.loss_scale != 1.0:
+        loss = loss * call.normalizer.loss_scale
     return loss, metrics

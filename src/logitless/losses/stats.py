@@ -8,69 +8,36 @@ sharded, and every one of them is a stop-gradient constant.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..parallel import collectives
 from ._segments import sum_per_document
-from .checks import LossCall, check_policy_loss, clean
+from .call import DocumentStats, LossCall
+from .checks import check_policy_loss
 from .config import PolicyLossConfig
 from .surrogates import gmpo_clipped_log_ratio
+from .tokens import clean
 
 __all__ = ["DocumentStats", "document_stats"]
 
 
-@dataclass(frozen=True)
-class DocumentStats:
-    """Per-document sums of one call's token stream, over its context-parallel group.
-
-    Everything ``policy_loss`` needs to know about whole documents, as ``[size]`` tensors in
-    the loss's compute dtype. Every entry is a stop-gradient statistic. Made by
-    :func:`document_stats`; pass it to ``policy_loss(..., document_stats=...)`` to evaluate the
-    loss on the same stream again (e.g. chunk by chunk) without communicating.
-
-    size: ``D``, the length of per-document buffers: 1 + the largest document id of the group.
-    tokens: valid tokens (mask true, not padding) of each document.
-    log_ratio: ``Σ_t (log π_θ − log π_old)`` over each document's valid tokens (GSPO ratio,
-        ``ratio_seq_mask``), or None when the config needs none.
-    clipped_log_ratio: ``Σ_t ĉ_t`` (GMPO), or None.
-    log_rho: ``Σ_t log π_old/π_rollout`` (sequence truncated IS, ``mismatch_seq_mask``), or None.
-    key: fingerprint of the config and input layout it was computed for (checked on use).
-    """
-
-    size: int
-    tokens: torch.Tensor
-    log_ratio: torch.Tensor | None
-    clipped_log_ratio: torch.Tensor | None
-    log_rho: torch.Tensor | None
-    key: int
-
-
-def compute_document_stats(
-    call: LossCall,
-    config: PolicyLossConfig,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    rollout_logprobs: torch.Tensor | None,
-) -> DocumentStats:
-    """The statistics of a checked call (one all-reduce SUM over ``call.group`` if any)."""
-    seg = call.seg
-    valid, dtype = call.valid_and_dtype(logprobs, mask)
+def compute_document_stats(call: LossCall, logprobs: torch.Tensor) -> DocumentStats:
+    """The statistics of a checked call at ``logprobs`` (one all-reduce SUM over ``call.group``
+    if any)."""
+    config, seg = call.config, call.seg
+    valid, dtype = call.valid_and_dtype(logprobs)
     lp = clean(logprobs, valid, dtype).detach()  # [N]
-    old = clean(old_logprobs, valid, dtype).detach()  # [N]
+    old = clean(call.old_logprobs, valid, dtype).detach()  # [N]
     token_lr = lp - old  # [N]
     columns = {"tokens": valid.to(dtype)}  # each [N]
     if config.sums_log_ratio:
         columns["log_ratio"] = token_lr
     if config.sums_clipped_log_ratio:
-        adv = clean(call.token_advantages(advantages).detach(), valid, dtype)
+        adv = clean(call.token_advantages().detach(), valid, dtype)
         c = gmpo_clipped_log_ratio(token_lr, adv, config.clip_low, config.clip_high)
         columns["clipped_log_ratio"] = torch.where(valid, c, 0.0)
-    if config.sums_log_rho(rollout_logprobs is not None):
-        columns["log_rho"] = old - clean(rollout_logprobs, valid, dtype).detach()
+    if config.sums_log_rho(call.rollout_logprobs is not None):
+        columns["log_rho"] = old - clean(call.rollout_logprobs, valid, dtype).detach()
     sums = {k: sum_per_document(v, seg) for k, v in columns.items()}  # each [size]
     if call.group is not None:
         flat = collectives.all_reduce(torch.cat(list(sums.values())), call.group, "sum")
@@ -124,6 +91,4 @@ def document_stats(
         for_stats=True,
         what="document_stats",
     )
-    return compute_document_stats(
-        call, config, logprobs, old_logprobs, advantages, mask, rollout_logprobs
-    )
+    return compute_document_stats(call, logprobs)

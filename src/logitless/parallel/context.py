@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_int as _check_int
-from .._checks import check_tensor as _check_tensor
-from .._checks import fmt_shape as _shape
+from ..contract.checks import check_int as _check_int
+from ..contract.checks import check_tensor as _check_tensor
+from ..contract.checks import fmt_shape as _shape
 
 __all__ = [
     "CP_LAYOUTS",

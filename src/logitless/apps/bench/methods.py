@@ -80,7 +80,7 @@ def _build_logitless(backend: str) -> Callable[[Workload, Inputs], Step]:
 
 def _resolved_backend(work: Workload) -> str:
     """The backend ``backend="auto"`` runs for this workload."""
-    from logitless.kernels import resolve_backend
+    from logitless.contract.backend import resolve_backend
 
     return resolve_backend("auto", torch.device(work.device), DTYPES[work.dtype])
 

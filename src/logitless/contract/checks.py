@@ -1,6 +1,7 @@
-"""Argument checks shared by every layer (private): one wording for each kind of mistake.
+"""Argument-check primitives (the bottom of the library): one wording for each kind of mistake.
 
 Each helper raises ``ValueError`` naming the argument, what was expected and what was given.
+Every check of the library that needs one of these rules calls it here; none restates it.
 """
 
 from __future__ import annotations
@@ -9,10 +10,18 @@ import math
 
 import torch
 
+#: Integer dtypes accepted for ids (labels, kept ids, top-k): compared as int64 after reading.
+INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
 
 def fmt_shape(t: torch.Tensor) -> str:
     """``[2, 3]`` for a tensor of shape (2, 3)."""
     return f"[{', '.join(str(s) for s in t.shape)}]"
+
+
+def is_dtensor(t: object) -> bool:
+    """A ``torch.distributed`` DTensor (checked by name: no import of torch.distributed)."""
+    return type(t).__name__ == "DTensor"
 
 
 def check_tensor(name: str, t: object) -> torch.Tensor:
@@ -22,8 +31,18 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
 
 
 def check_int(name: str, value: object, *, minimum: int = 0) -> int:
+    """An int (not a bool) ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_optional_int(name: str, value: object, *, minimum: int) -> int | None:
+    """None, or :func:`check_int`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
     return value
 
 
@@ -40,6 +59,11 @@ def positive_finite_float(name: str, value: object) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite float, got {value!r}")
     return value
+
+
+def optional_positive_float(name: str, value: object) -> float | None:
+    """None, or :func:`positive_finite_float`."""
+    return None if value is None else positive_finite_float(name, value)
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
@@ -69,3 +93,34 @@ def check_full_precision(**tensors: object) -> None:
                 "MixedPrecisionPolicy(..., cast_forward_inputs=False); head_dtype= sets the "
                 "projection's dtype"
             )
+
+
+def per_position(
+    name: str,
+    value: object,
+    batch_shape: torch.Size,
+    device: torch.device,
+    *,
+    integer: bool,
+) -> torch.Tensor:
+    """A per-token tensor argument broadcastable to ``batch_shape`` -> ``[N]`` (int64 or
+    float64): integer or floating as asked, no gradient, on ``device``."""
+    if integer and value.dtype not in INT_DTYPES:
+        raise ValueError(f"{name} must be an int or an integer tensor, got dtype {value.dtype}")
+    if not integer and not value.is_floating_point():
+        raise ValueError(f"{name} must be a float or a floating tensor, got dtype {value.dtype}")
+    if value.requires_grad:
+        raise ValueError(
+            f"{name} must not require grad: logitless treats it as a constant and returns no "
+            "gradient for it (detach it first)"
+        )
+    if value.device != device:
+        raise ValueError(f"{name} must be on labels' device {device}, got {value.device}")
+    try:
+        out = value.expand(batch_shape).reshape(-1)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {fmt_shape(value)} is not broadcastable to labels' shape "
+            f"{list(batch_shape)}"
+        ) from None
+    return out.long() if integer else out.double()

@@ -9,36 +9,37 @@ blocks (online log-sum-exp), so that
 and saves only ``[M]``-sized statistics (lse, entropy). Backward recomputes each tile and turns
 it into the logit gradient in place:
 
-    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y)          (then / T, then · softcap')
+    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y)          (then · dz/dx of the transform)
 
-where the label term is a scatter-add of ``[rows]`` values into the tile (no one-hot). Tiles are
-sized to stay cache-resident on CPU, so the elementwise passes cost a fraction of the matmuls.
+where the label term is a scatter-add of ``[rows]`` values into the tile (no one-hot), and the
+transform's derivative (:class:`logitless.transform.LogitTransform`) is a per-row factor folded
+into the upstream gradients times the softcap's slope. Tiles are sized to stay cache-resident
+on CPU, so the elementwise passes cost a fraction of the matmuls.
 
 This is the CPU path and the fallback on any device. Everything here works on *valid* rows
-only: :func:`logitless.kernels.rows.select_rows` drops ignored rows before calling in.
+only: the op drops ignored rows before calling in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..parallel.vocab import VocabParallel
-from .options import HeadOptions, finish_stats
+from .base import GradFn, HeadGrads, KernelOptions, Needs, RowBatch, RowStats, finish_stats
 
 
-def _project(
+def project(
     out: torch.Tensor,
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
     temp: torch.Tensor | None,
-    opts: HeadOptions,
+    opts: KernelOptions,
 ) -> torch.Tensor:
-    """Write the transformed logits ``z = softcap(h·wᵀ + b) / T`` of one tile into fp32 ``out``.
+    """Write the transformed logits ``z = transform(h·wᵀ + b)`` of one tile into ``out``.
 
-    h: [R, H], w: [Vb, H] in the head dtype; out: [R, Vb] fp32; temp: [R] or None.
+    h: [R, H], w: [Vb, H] in the head dtype; out: [R, Vb] in the compute dtype; temp: [R, 1] or
+    None (the transform's scalar).
     """
     if h.dtype == out.dtype:
         if b is None:
@@ -49,16 +50,10 @@ def _project(
         # The projection runs (and rounds) in the head dtype, as F.linear would; softmax is fp32.
         logits = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
         out.copy_(logits)
-    if opts.softcap is not None:
-        out.div_(opts.softcap).tanh_().mul_(opts.softcap)
-    if temp is not None:
-        out.div_(temp[:, None])
-    elif opts.temperature != 1.0:
-        out.div_(opts.temperature)
-    return out
+    return opts.transform.apply_(out, temp)
 
 
-def _label_slot(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def label_slot(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Column of each row's label inside vocab block [start, start+width), and whether it is there.
 
     Rows whose label lies outside the block point at a clamped column and get ``inside=False``,
@@ -69,7 +64,7 @@ def _label_slot(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Ten
     return local.clamp(0, width - 1)[:, None], inside
 
 
-def _weight_block(
+def weight_block(
     weight: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows [v0, v1) of the head in the projection dtype; cast per block so a bf16 model with an
@@ -78,12 +73,12 @@ def _weight_block(
     return w, None if bias is None else bias[v0:v1].to(dtype)
 
 
-def _tile_buffer(rows: int, opts: HeadOptions, vocab: int, device: torch.device) -> torch.Tensor:
+def _tile_buffer(rows: int, opts: KernelOptions, vocab: int, device: torch.device) -> torch.Tensor:
     size = rows * min(opts.schedule.vocab_block, vocab)
     return torch.empty(size, device=device, dtype=opts.compute_dtype)
 
 
-class _OnlineStats:
+class OnlineStats:
     """Running log-sum-exp / entropy statistics of a block of rows across vocab blocks.
 
     Keeps, per row, the running max ``m``, ``s = Σ exp(z - m)`` and ``q = Σ exp(z - m)·(z - m)``
@@ -97,7 +92,7 @@ class _OnlineStats:
 
     def update(self, z: torch.Tensor, v0: int, destructive: bool) -> None:
         """Fold in tile ``z`` [R, Vb] (columns v0...). ``destructive`` lets it overwrite z."""
-        slot, inside = _label_slot(self.labels, v0, z.shape[1])
+        slot, inside = label_slot(self.labels, v0, z.shape[1])
         z_lab = z.gather(1, slot).squeeze(1)
         self.zy = torch.where(inside, z_lab, z_lab.new_zeros(()) if self.zy is None else self.zy)
         m_blk = z.amax(dim=1)
@@ -128,21 +123,19 @@ class _OnlineStats:
         return finish_stats(self.m, self.s, self.q, self.zy, vp)
 
 
-def forward_rows(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: torch.Tensor | None,
-    opts: HeadOptions,
-    keep_tile: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _temp_col(temp: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | None:
+    """Rows ``[r0, r1)`` of per-row temperatures as a ``[R, 1]`` column (None: scalar)."""
+    return None if temp is None else temp[r0:r1, None]
+
+
+def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -> RowStats:
     """Log-prob of each row's label, its log-sum-exp and (optionally) entropy.
 
-    hidden: [M, H]; weight: [V, H]; labels: [M] int64 in [0, V); temp: [M] fp32 or None.
-    Returns logp [M], lse [M], entropy [M] or None (all fp32), and, when ``keep_tile`` is set
-    and the work is one single tile, that tile's transformed logits [M, V] fp32 (else None).
+    rows: M valid rows (labels in ``[0, V)``, or shard-local). Returns :class:`RowStats` in the
+    compute dtype, with ``kept``: the single tile's transformed logits ``[M, V]`` when
+    ``keep_tile`` is set and the work is one tile (else None).
     """
+    hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     hd = opts.head_dtype
@@ -156,41 +149,41 @@ def forward_rows(
     kept = None
     buf = _tile_buffer(min(rows_per, num_rows), opts, vocab, dev) if num_rows else None
     for r0, r1 in opts.schedule.row_chunks(num_rows):
-        t_rows = None if temp is None else temp[r0:r1]
-        stats = _OnlineStats(labels[r0:r1], opts.with_entropy)
+        t_rows = _temp_col(temp, r0, r1)
+        stats = OnlineStats(labels[r0:r1], opts.with_entropy)
         for v0, v1 in opts.schedule.vocab_blocks(vocab):
             z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-            w, b = _weight_block(weight, bias, v0, v1, hd)
-            _project(z, h_all[r0:r1], w, b, t_rows, opts)
+            w, b = weight_block(weight, bias, v0, v1, hd)
+            project(z, h_all[r0:r1], w, b, t_rows, opts)
             if keep:
                 kept = z.clone()
             stats.update(z, v0, destructive=True)
         logp[r0:r1], lse[r0:r1], ent_c = stats.finish(opts.vocab_parallel)
         if ent is not None:
             ent[r0:r1] = ent_c
-    return logp, lse, ent, kept
+    return RowStats(logp, lse, ent, kept)
 
 
 class _RowGrad:
-    """Upstream-gradient terms of a block of rows, with the 1/T of the temperature folded in.
+    """Upstream-gradient terms of a block of rows, with the transform's per-row factor
+    (``s / T``) folded in.
 
-    g: [R] d/d logp; e: [R] d/d entropy (None if unused); ent: [R] entropy; temp: [R] or None.
+    g: [R] d/d logp (None: 0); e: [R] d/d entropy (None if unused); ent: [R] entropy; temp:
+    [R, 1] or None.
     """
 
-    def __init__(self, g, e, ent, temp, opts: HeadOptions, num_rows: int, device) -> None:
-        if temp is not None:
-            self.inv_t = 1.0 / temp
-        else:
-            cd = opts.compute_dtype
-            t = 1.0 / (opts.temperature or 1.0)
-            self.inv_t = torch.full((num_rows,), t, device=device, dtype=cd)
+    def __init__(self, g, e, ent, temp, opts: KernelOptions, num_rows: int, device) -> None:
+        factor = opts.transform.row_factor(None if temp is None else temp[:, 0])
+        if not isinstance(factor, torch.Tensor):
+            factor = torch.full((num_rows,), factor, device=device, dtype=opts.compute_dtype)
+        self.temp = temp
         if g is None:
-            g = torch.zeros_like(self.inv_t)
-        self.g_t = (g * self.inv_t)[:, None]  # g / T
+            g = torch.zeros_like(factor)
+        self.g_t = (g * factor)[:, None]  # g · s / T
         self.e_t = self.coef = None
         if e is not None:
-            self.e_t = (e * self.inv_t)[:, None]  # e / T
-            self.coef = self.g_t + self.e_t * ent[:, None]  # (g + e·H) / T
+            self.e_t = (e * factor)[:, None]  # e · s / T
+            self.coef = self.g_t + self.e_t * ent[:, None]  # (g + e·H) · s / T
 
 
 def _tile_to_dz(
@@ -199,17 +192,13 @@ def _tile_to_dz(
     rg: _RowGrad,
     labels: torch.Tensor,
     v0: int,
-    opts: HeadOptions,
+    opts: KernelOptions,
 ) -> torch.Tensor:
     """Turn transformed logits ``z`` [R, Vb] into d loss / d raw logits, in place.
 
-    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y), then / T and · softcap'(raw).
+    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y), then · s / T and · softcap'(raw).
     """
-    cap_grad = None
-    if opts.softcap is not None:
-        # d softcap(x)/dx = 1 - tanh² = 1 - (z·T / c)²
-        scale = (1.0 / opts.softcap) / rg.inv_t
-        cap_grad = torch.mul(z, scale[:, None]).square_().neg_().add_(1.0)
+    slope = opts.transform.softcap_slope(z, rg.temp)
     z.sub_(lse[:, None])  # log p
     if rg.e_t is not None:
         p = z.exp()
@@ -218,14 +207,14 @@ def _tile_to_dz(
     else:
         z.exp_().mul_(rg.g_t.neg())  # -p·g / T
     _add_label_term(z, rg, labels, v0)
-    if cap_grad is not None:
-        z.mul_(cap_grad)
+    if slope is not None:
+        z.mul_(slope)
     return z
 
 
 def _add_label_term(dz: torch.Tensor, rg: _RowGrad, labels: torch.Tensor, v0: int) -> None:
     """dz[i, y_i] += g_i / T_i for the rows whose label lies in this tile (no one-hot)."""
-    slot, inside = _label_slot(labels, v0, dz.shape[1])
+    slot, inside = label_slot(labels, v0, dz.shape[1])
     dz.scatter_add_(1, slot, torch.where(inside, rg.g_t.squeeze(1), 0.0)[:, None])
 
 
@@ -246,7 +235,7 @@ class _GradAccumulator:
     one row chunk contributes; otherwise directly in the parameter's dtype.
     """
 
-    def __init__(self, hidden, weight, bias, needs, opts: HeadOptions) -> None:
+    def __init__(self, hidden, weight, bias, needs, opts: KernelOptions) -> None:
         num_rows, dim = hidden.shape
         vocab = weight.shape[0]
         dev = hidden.device
@@ -295,25 +284,19 @@ class _GradAccumulator:
 
 
 def backward_rows(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: torch.Tensor | None,
-    lse: torch.Tensor,
-    ent: torch.Tensor | None,
+    rows: RowBatch,
+    stats: RowStats,
     grad_logp: torch.Tensor | None,
     grad_ent: torch.Tensor | None,
-    opts: HeadOptions,
-    needs: tuple[bool, bool, bool],
-    kept: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    opts: KernelOptions,
+    needs: Needs,
+) -> HeadGrads:
     """Gradients for hidden [M, H], weight [V, H] and bias [V], in those tensors' dtypes.
 
-    grad_logp / grad_ent: [M] upstream gradients (None when that output is unused).
-    needs: which of (hidden, weight, bias) want a gradient. ``kept``: the single tile's
-    transformed logits saved by the forward pass; it is consumed (overwritten) here.
+    stats: the forward's (lse, entropy, and its single tile if kept: consumed, overwritten
+    here); grad_logp / grad_ent: [M] upstream gradients (None when that output is unused).
     """
+    hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     hd = opts.head_dtype
@@ -322,11 +305,15 @@ def backward_rows(
         return acc.result()
     h_all = hidden.to(hd)
     use_ent = opts.with_entropy and grad_ent is not None
-    rows_per = opts.schedule.rows
-    buf = None if kept is not None else _tile_buffer(min(rows_per, num_rows), opts, vocab, dev)
+    ent, kept = stats.entropy, stats.kept
+    buf = (
+        None
+        if kept is not None
+        else _tile_buffer(min(opts.schedule.rows, num_rows), opts, vocab, dev)
+    )
     for r0, r1 in opts.schedule.row_chunks(num_rows):
         h = h_all[r0:r1]
-        t_rows = None if temp is None else temp[r0:r1]
+        t_rows = _temp_col(temp, r0, r1)
         rg = _RowGrad(
             None if grad_logp is None else grad_logp[r0:r1],
             grad_ent[r0:r1] if use_ent else None,
@@ -337,35 +324,22 @@ def backward_rows(
             dev,
         )
         for v0, v1 in opts.schedule.vocab_blocks(vocab):
-            w, b = _weight_block(weight, bias, v0, v1, hd)
+            w, b = weight_block(weight, bias, v0, v1, hd)
             if kept is not None:
                 z = kept
             else:
                 z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-                _project(z, h, w, b, t_rows, opts)
-            acc.add(_tile_to_dz(z, lse[r0:r1], rg, labels[r0:r1], v0, opts), h, w, r0, v0)
+                project(z, h, w, b, t_rows, opts)
+            acc.add(_tile_to_dz(z, stats.lse[r0:r1], rg, labels[r0:r1], v0, opts), h, w, r0, v0)
     return acc.result(opts.vocab_parallel)
 
 
-GradFn = Callable[
-    [int, int, torch.Tensor, "torch.Tensor | None"],
-    "tuple[torch.Tensor | None, torch.Tensor | None]",
-]
-
-
 def fused_rows(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: torch.Tensor | None,
-    opts: HeadOptions,
-    grad_fn: GradFn,
-    needs: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    rows: RowBatch, opts: KernelOptions, grad_fn: GradFn, needs: Needs
+) -> tuple[torch.Tensor, torch.Tensor | None, HeadGrads]:
     """Log-probs, entropy and parameter gradients in one pass: three matmuls, no recompute.
 
-    For each row chunk the transformed logits of all V columns stay in one ``[rows, V]`` fp32
+    For each row chunk the transformed logits of all V columns stay in one ``[rows, V]``
     buffer (stored block by block). Once the chunk's statistics are known,
     ``grad_fn(r0, r1, logp[r0:r1], entropy[r0:r1])`` returns the upstream gradients
     ``(d loss/d logp, d loss/d entropy)`` of those rows (each [rows] or None), and the chunk is
@@ -374,6 +348,7 @@ def fused_rows(
 
     Returns logp [M], entropy [M] or None, and (dh, dW, db) as ``backward_rows`` does.
     """
+    hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     hd = opts.head_dtype
@@ -384,23 +359,22 @@ def fused_rows(
     if num_rows == 0:
         return logp, ent, acc.result()
     h_all = hidden.to(hd)
-    rows_per = opts.schedule.rows
-    chunk_buf = torch.empty(min(rows_per, num_rows) * vocab, device=dev, dtype=cd)
+    chunk_buf = torch.empty(min(opts.schedule.rows, num_rows) * vocab, device=dev, dtype=cd)
     # Without entropy or softcap, the gradient needs p only, not z: store exp(z - m) in pass A.
-    keep_exp = not opts.with_entropy and opts.softcap is None
+    keep_exp = not opts.with_entropy and opts.transform.softcap is None
     for r0, r1 in opts.schedule.row_chunks(num_rows):
-        rows = r1 - r0
+        n = r1 - r0
         h, y = h_all[r0:r1], labels[r0:r1]
-        t_rows = None if temp is None else temp[r0:r1]
+        t_rows = _temp_col(temp, r0, r1)
 
-        def tile(v0: int, v1: int, rows: int = rows) -> torch.Tensor:
-            return chunk_buf[v0 * rows : v1 * rows].view(rows, v1 - v0)
+        def tile(v0: int, v1: int, n: int = n) -> torch.Tensor:
+            return chunk_buf[v0 * n : v1 * n].view(n, v1 - v0)
 
-        stats = _OnlineStats(y, opts.with_entropy)
+        stats = OnlineStats(y, opts.with_entropy)
         shifts = []  # per block: the running max its tile was exponentiated against
         for v0, v1 in opts.schedule.vocab_blocks(vocab):
-            w, b = _weight_block(weight, bias, v0, v1, hd)
-            z = _project(tile(v0, v1), h, w, b, t_rows, opts)
+            w, b = weight_block(weight, bias, v0, v1, hd)
+            z = project(tile(v0, v1), h, w, b, t_rows, opts)
             # keep_exp: the tile is left as exp(z - m), all pass B needs (see _exp_tile_to_dz)
             stats.update(z, v0, destructive=keep_exp)
             shifts.append(stats.m)
@@ -411,9 +385,9 @@ def fused_rows(
         g_c, e_c = grad_fn(r0, r1, logp_c, ent_c)
         if e_c is not None and ent_c is None:
             raise ValueError("grad_fn returned an entropy gradient but with_entropy is False")
-        rg = _RowGrad(g_c, e_c, ent_c, t_rows, opts, rows, dev)
+        rg = _RowGrad(g_c, e_c, ent_c, t_rows, opts, n, dev)
         for j, (v0, v1) in enumerate(opts.schedule.vocab_blocks(vocab)):
-            w, _ = _weight_block(weight, None, v0, v1, hd)
+            w, _ = weight_block(weight, None, v0, v1, hd)
             if keep_exp:
                 dz = _exp_tile_to_dz(tile(v0, v1), (shifts[j] - lse_c).exp(), rg, y, v0)
             else:

@@ -36,9 +36,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..parallel.vocab import VocabParallel
-from .options import HeadOptions, Schedule
-from .tiles import _label_slot, _OnlineStats, _project, _weight_block
+from ...backends.base import KernelOptions, RowBatch, Schedule
+from ...backends.torch_tiles import OnlineStats, label_slot, project, weight_block
+from ...parallel.vocab import VocabParallel
 
 # Candidate values + ids of one row chunk: at most this many [rows, C] entries at once (per
 # rank of a vocab-parallel group: the merge gathers every rank's).
@@ -217,23 +217,16 @@ def _merge_ranks(vp: VocabParallel, vals, ids, extra, cap: int):
 
 
 def stream_candidates(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: torch.Tensor | None,
-    opts: HeadOptions,
-    cap: int,
-    with_mass: bool = True,
+    batch: RowBatch, opts: KernelOptions, cap: int, with_mass: bool = True
 ) -> Candidates:
     """One pass over the vocabulary: the ``cap`` largest logits of each row (see the module).
 
-    hidden: [R, H]; weight: [V, H] (this rank's shard under ``opts.vocab_parallel``); labels:
-    [R] shard-local label ids; temp: [R] or None; ``cap`` <= the global vocabulary size.
-    ``with_mass``: also the whole row's log-sum-exp (online max and ``Σ exp``; otherwise
-    ``lse`` is NaN). Rows are processed in chunks whose ``[rows, cap]`` candidates stay within
-    a fixed budget.
+    batch: R rows (weight: this rank's shard under ``opts.vocab_parallel``; labels
+    shard-local); ``cap`` <= the global vocabulary size. ``with_mass``: also the whole row's
+    log-sum-exp (online max and ``Σ exp``; otherwise ``lse`` is NaN). Rows are processed in
+    chunks whose ``[rows, cap]`` candidates stay within a fixed budget.
     """
+    hidden, weight, bias, labels, temp = batch
     vp = opts.vocab_parallel
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
@@ -254,19 +247,19 @@ def stream_candidates(
     buf = torch.empty(tile, device=dev, dtype=cd)
     for r0, r1 in sched.row_chunks(num_rows):
         n = r1 - r0
-        t_rows = None if temp is None else temp[r0:r1]
+        t_rows = None if temp is None else temp[r0:r1, None]
         top = _RunningTopK(out_v[r0:r1], out_i[r0:r1], out_x[r0:r1], sparse)
-        stats = _OnlineStats(labels[r0:r1], with_entropy=False)
+        stats = OnlineStats(labels[r0:r1], with_entropy=False)
         zy_c = torch.zeros(n, device=dev, dtype=cd)
         for v0, v1 in sched.vocab_blocks(vocab):
             z = buf[: n * (v1 - v0)].view(n, v1 - v0)
-            w, b = _weight_block(weight, bias, v0, v1, opts.head_dtype)
-            _project(z, h_all[r0:r1], w, b, t_rows, opts)
+            w, b = weight_block(weight, bias, v0, v1, opts.head_dtype)
+            project(z, h_all[r0:r1], w, b, t_rows, opts)
             top.fold(z, v0 + offset)
             if with_mass:
                 stats.update(z, v0, destructive=True)
             else:
-                slot, inside = _label_slot(labels[r0:r1], v0, v1 - v0)
+                slot, inside = label_slot(labels[r0:r1], v0, v1 - v0)
                 zy_c = torch.where(inside, z.gather(1, slot)[:, 0], zy_c)
         top.flush()
         if vp is not None:

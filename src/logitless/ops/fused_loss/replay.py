@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from ._validate_replay import ReplayArgs
-from .kernels import Rows
-from .kernels.options import HeadOptions
-from .kernels.replay import ReplayPlan, replay_backward, replay_forward, restrict
-from .parallel import collectives
+from ...backends.base import RowBatch
+from ...contract.head import HeadCall
+from ...parallel import collectives
+from ..replay.op import ReplayPlan, replay_backward, replay_forward, restrict
+from ..rows import Rows, kernel_options
+from .row_loss import RowLoss
 
 
 def replay_metrics(plan: ReplayPlan, context_group: object | None = None) -> dict:
@@ -50,48 +51,30 @@ def replay_metrics(plan: ReplayPlan, context_group: object | None = None) -> dic
 
 
 def replay_policy_loss(
+    call: HeadCall,
     rows: Rows,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels_k: torch.Tensor,
-    opts: HeadOptions,
-    replay: ReplayArgs,
-    *,
-    with_kept_mass: bool,
+    batch: RowBatch,
+    loss: RowLoss,
     needs: tuple[bool, bool, bool] | None,
-    loss_fn,
     context_group: object | None,
 ) -> tuple[torch.Tensor, dict, tuple | None]:
-    """``(loss, metrics, (dh, dW, db) or None)`` of a fused policy loss with replay.
+    """``(loss, metrics, (dh, dW, db) or None)`` of a fused loss with replay.
 
-    ``needs`` None: no gradient wanted (only the loss and metrics are computed). ``loss_fn``:
-    the fused loss's policy loss of the call as a function of the ``[M]`` row values
-    (``evaluate``, ``stats``, ``grads``; see ``fused_loss._RowLoss``).
+    ``batch``: the call's valid rows, detached (their gradients reach autograd through the
+    fused loss's stored gradients); ``needs`` None: no gradient wanted (only the loss and
+    metrics are computed).
     """
-    spec = restrict(replay, rows)
-    hidden = rows.hidden.detach()
-    w = weight.detach()
-    b = None if bias is None else bias.detach()
-    plan = replay_forward(
-        hidden,
-        w,
-        b,
-        rows.labels,
-        labels_k,
-        rows.temperature,
-        opts,
-        spec,
-        with_kept_mass=with_kept_mass,
-        keep_tile=needs is not None,
-    )
+    opts = kernel_options(call, rows.labels.numel())
+    spec = restrict(call.replay, rows)
+    plan = replay_forward(batch, rows.labels, opts, spec, keep_tile=needs is not None)
     logp, ent = plan.logp, plan.ent
     extra = replay_metrics(plan, context_group)
     if needs is None:
-        loss, metrics = loss_fn.evaluate(logp, ent, reduce_metrics=True)
-        return loss, metrics | extra, None
-    stats = loss_fn.stats(logp) if context_group is not None else None
-    g, e = loss_fn.grads(logp, ent, stats)
-    grads = replay_backward(plan, hidden, w, b, labels_k, rows.temperature, g, e, opts, needs)
+        value, metrics = loss.evaluate(logp, ent, reduce_metrics=True)
+        return value, metrics | extra, None
+    stats = loss.stats(logp) if context_group is not None else None
+    g, e = loss.grads(logp, ent, stats)
+    grads = replay_backward(plan, batch, g, e, opts, needs)
     with torch.no_grad():
-        loss, metrics = loss_fn.evaluate(logp, ent, stats, reduce_metrics=True)
-    return loss, metrics | extra, grads
+        value, metrics = loss.evaluate(logp, ent, stats, reduce_metrics=True)
+    return value, metrics | extra, grads

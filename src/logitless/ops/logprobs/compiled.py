@@ -9,38 +9,61 @@ shape), with a fake implementation for tracing and a registered backward (itself
 statistics the forward returns. Inside, both run exactly the eager code: same checks (raised at
 run time), same kernels, same numbers.
 
-Not routed (they run eagerly, with a graph break): ``vocab_parallel`` (a process group is not
-an op argument).
+A custom op's schema takes flat arguments, so :class:`HeadOptions` crosses it as its fields
+(:data:`_FIELDS`) and is rebuilt inside. Not routed (they run eagerly, with a graph break):
+``vocab_parallel`` (a process group is not an op argument) and sampling replay.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._validate import check_head_args
-from ..types import LogProbs
-from . import backend_module, head_options, select_rows
-from .options import compute_dtype
-from .rows import Rows
+from ...backends import backend_for
+from ...backends.base import RowStats
+from ...contract.head import HeadCall, check_head_call
+from ...contract.options import HeadOptions
+from ...transform import compute_dtype
+from ...types import LogProbs
+from ..rows import kernel_batch, kernel_options, refuse_double_backward, select_rows
 
 _NAMESPACE = "logitless"
+# HeadOptions fields as the ops' flat arguments (temperature: a float and an optional tensor).
+_FIELDS = (
+    "temperature",
+    "temperature_tensor",
+    "softcap",
+    "logit_scale",
+    "with_entropy",
+    "ignore_index",
+    "chunk_size",
+    "head_dtype",
+    "backend",
+)
 
 
-def _head_args(
-    hidden, weight, labels, bias, temperature, temperature_tensor, softcap, ignore_index,
-    head_dtype, backend,
-):  # fmt: skip
-    return check_head_args(
-        hidden,
-        weight,
-        labels,
-        bias=bias,
-        temperature=temperature if temperature_tensor is None else temperature_tensor,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        head_dtype=head_dtype,
-        backend=backend,
+def _flat(options: HeadOptions) -> tuple:
+    """``options`` as the ops' arguments, in :data:`_FIELDS` order."""
+    t = options.temperature
+    is_tensor = isinstance(t, torch.Tensor)
+    return (
+        1.0 if is_tensor else float(t),
+        t if is_tensor else None,
+        options.softcap,
+        options.logit_scale,
+        options.with_entropy,
+        options.ignore_index,
+        options.chunk_size,
+        options.head_dtype,
+        options.backend,
     )
+
+
+def _call(hidden, weight, labels, bias, flat: tuple) -> HeadCall:
+    fields = dict(zip(_FIELDS, flat, strict=True))
+    tensor = fields.pop("temperature_tensor")
+    if tensor is not None:
+        fields["temperature"] = tensor
+    return check_head_call(hidden, weight, labels, bias, HeadOptions(**fields))
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::linear_logprobs", mutates_args=())
@@ -52,6 +75,7 @@ def _forward_op(
     temperature: float,
     temperature_tensor: torch.Tensor | None,
     softcap: float | None,
+    logit_scale: float | None,
     with_entropy: bool,
     ignore_index: int,
     chunk_size: int | None,
@@ -60,25 +84,25 @@ def _forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprobs, entropy, lse, entropy for backward), each of ``labels.shape``; entropy is
     zeros when not asked for. lse / entropy are 0 at ignored rows (only valid rows use them)."""
-    args = _head_args(
-        hidden, weight, labels, bias, temperature, temperature_tensor, softcap, ignore_index,
-        head_dtype, backend,
-    )  # fmt: skip
-    rows = select_rows(args, ignore_index)
-    opts = head_options(args, rows, with_entropy, chunk_size=chunk_size)
+    flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
+            chunk_size, head_dtype, backend)  # fmt: skip
+    call = _call(hidden, weight, labels, bias, flat)
+    rows = select_rows(call)
+    opts = kernel_options(call, rows.labels.numel())
     with torch.no_grad():
-        logp, lse, ent, _ = backend_module(opts).forward_rows(
-            rows.hidden, weight, bias, rows.labels, rows.temperature, opts
-        )
-    ent = torch.zeros_like(logp) if ent is None else ent
-    return rows.scatter(logp), rows.scatter(ent), rows.scatter(lse), rows.scatter(ent.clone())
+        stats = backend_for(opts).forward_rows(kernel_batch(call, rows), opts)
+    ent = torch.zeros_like(stats.logp) if stats.entropy is None else stats.entropy
+    return (
+        rows.scatter(stats.logp),
+        rows.scatter(ent),
+        rows.scatter(stats.lse),
+        rows.scatter(ent.clone()),
+    )
 
 
 @_forward_op.register_fake
-def _forward_fake(
-    hidden, weight, labels, bias, temperature, temperature_tensor, softcap, with_entropy,
-    ignore_index, chunk_size, head_dtype, backend,
-):  # fmt: skip
+def _forward_fake(hidden, weight, labels, bias, *flat):
+    head_dtype = flat[_FIELDS.index("head_dtype")]
     dtype = compute_dtype(head_dtype if head_dtype is not None else hidden.dtype)
     return tuple(hidden.new_empty(labels.shape, dtype=dtype) for _ in range(4))
 
@@ -92,6 +116,7 @@ def _backward_op(
     temperature: float,
     temperature_tensor: torch.Tensor | None,
     softcap: float | None,
+    logit_scale: float | None,
     with_entropy: bool,
     ignore_index: int,
     chunk_size: int | None,
@@ -104,21 +129,17 @@ def _backward_op(
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias) of the head; an empty tensor for a gradient not needed."""
-    args = _head_args(
-        hidden, weight, labels, bias, temperature, temperature_tensor, softcap, ignore_index,
-        head_dtype, backend,
-    )  # fmt: skip
-    rows: Rows = select_rows(args, ignore_index)
-    opts = head_options(args, rows, with_entropy, chunk_size=chunk_size)
+    flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
+            chunk_size, head_dtype, backend)  # fmt: skip
+    call = _call(
+        hidden.detach(), weight.detach(), labels, None if bias is None else bias.detach(), flat
+    )
+    rows = select_rows(call)
+    opts = kernel_options(call, rows.labels.numel())
     need_h, need_w, need_b = needs
-    gh, gw, gb = backend_module(opts).backward_rows(
-        rows.hidden.detach(),
-        weight.detach(),
-        None if bias is None else bias.detach(),
-        rows.labels,
-        rows.temperature,
-        rows.gather(lse),
-        rows.gather(entropy) if with_entropy else None,
+    gh, gw, gb = backend_for(opts).backward_rows(
+        kernel_batch(call, rows),
+        RowStats(None, rows.gather(lse), rows.gather(entropy) if with_entropy else None),
         rows.gather(grad_logprobs),
         None if grad_entropy is None or not with_entropy else rows.gather(grad_entropy),
         opts,
@@ -126,11 +147,11 @@ def _backward_op(
     )
     dh = torch.zeros_like(hidden)
     if gh is not None:
-        flat = dh.view(-1, hidden.shape[-1])
+        flat_dh = dh.view(-1, hidden.shape[-1])
         if rows.index is None:
-            flat.copy_(gh)
+            flat_dh.copy_(gh)
         else:
-            flat.index_copy_(0, rows.index, gh)
+            flat_dh.index_copy_(0, rows.index, gh)
     empty = hidden.new_empty(0)
     return (
         dh if need_h else empty,
@@ -140,11 +161,8 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(
-    hidden, weight, labels, bias, temperature, temperature_tensor, softcap, with_entropy,
-    ignore_index, chunk_size, head_dtype, backend, lse, entropy, grad_logprobs, grad_entropy,
-    needs,
-):  # fmt: skip
+def _backward_fake(hidden, weight, labels, bias, *rest):
+    needs = rest[-1]
     empty = hidden.new_empty(0)
     return (
         torch.empty_like(hidden) if needs[0] else empty,
@@ -153,45 +171,31 @@ def _backward_fake(
     )
 
 
-_OPTIONS = (
-    "temperature",
-    "temperature_tensor",
-    "softcap",
-    "with_entropy",
-    "ignore_index",
-    "chunk_size",
-    "head_dtype",
-    "backend",
-)
-
-
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, labels, bias, *options = inputs
+    hidden, weight, labels, bias, *flat = inputs
     _, _, lse, ent = output
-    ctx.options = dict(zip(_OPTIONS, options, strict=True))
+    ctx.flat = flat
     ctx.has_bias = bias is not None
-    ctx.save_for_backward(hidden, weight, labels, bias, options[1], lse, ent)
+    ctx.save_for_backward(hidden, weight, labels, bias, flat[1], lse, ent)
 
 
 def _backward(ctx, grad_logp, grad_ent, _grad_lse, _grad_ent2):
-    from . import refuse_double_backward
-
     refuse_double_backward("linear_logprobs")
     hidden, weight, labels, bias, temperature_tensor, lse, ent = ctx.saved_tensors
-    opts = dict(ctx.options, temperature_tensor=temperature_tensor)
+    flat = list(ctx.flat)
+    flat[1] = temperature_tensor
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
     dh, dw, db = _backward_op(
-        hidden, weight, labels, bias, *(opts[k] for k in _OPTIONS), lse, ent, grad_logp,
-        grad_ent, needs,
-    )  # fmt: skip
+        hidden, weight, labels, bias, *flat, lse, ent, grad_logp, grad_ent, needs
+    )
     return (
         dh if needs[0] else None,
         dw if needs[1] else None,
         None,
         db if needs[2] and ctx.has_bias else None,
-        *([None] * len(_OPTIONS)),
+        *([None] * len(_FIELDS)),
     )
 
 
@@ -202,33 +206,12 @@ def linear_logprobs_op(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    *,
     bias: torch.Tensor | None,
-    temperature: float | torch.Tensor,
-    softcap: float | None,
-    with_entropy: bool,
-    ignore_index: int,
-    chunk_size: int | None,
-    head_dtype: torch.dtype | None,
-    backend: str,
+    options: HeadOptions,
 ) -> LogProbs:
     """:func:`logitless.linear_logprobs` through the custom op (what compiled code calls)."""
-    is_tensor = isinstance(temperature, torch.Tensor)
-    logp, ent, _, _ = _forward_op(
-        hidden,
-        weight,
-        labels,
-        bias,
-        1.0 if is_tensor else float(temperature),
-        temperature if is_tensor else None,
-        None if softcap is None else float(softcap),
-        with_entropy,
-        ignore_index,
-        chunk_size,
-        head_dtype,
-        backend,
-    )
-    return LogProbs(logp, ent if with_entropy else None)
+    logp, ent, _, _ = _forward_op(hidden, weight, labels, bias, *_flat(options))
+    return LogProbs(logp, ent if options.with_entropy else None)
 
 
 __all__ = ["linear_logprobs_op"]

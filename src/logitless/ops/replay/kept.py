@@ -20,7 +20,8 @@ entries so the gathered ``[chunk, H]`` rows stay within a small fp32 budget; not
 
 Under vocabulary parallelism each rank passes the entries whose ids lie in its shard (local
 ids); the per-row statistics are combined over the group exactly as the full-vocabulary
-kernels combine theirs (:func:`.options.finish_stats`), and the hidden gradient is summed.
+kernels combine theirs (:func:`logitless.backends.base.finish_stats`), and the hidden gradient
+is summed.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..parallel.vocab import VocabParallel
-from .options import HeadOptions, compute_dtype, finish_stats
+from ...backends.base import KernelOptions, finish_stats
+from ...parallel.vocab import VocabParallel
+from ...transform import compute_dtype
 
 # Elements of one gathered [chunk, H] fp32 block (2 MiB): the weight rows, then the hidden rows.
 # Small on purpose: the gathers are memory-bound either way, and what the step allocates
@@ -80,11 +82,9 @@ def _rows_in(t: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return t.index_select(0, idx).to(dtype).to(compute_dtype(dtype))
 
 
-def _entry_temperature(temp: torch.Tensor | None, rows: torch.Tensor, opts: HeadOptions):
-    """[E] 1/T of each entry's row, or a Python float for a scalar temperature."""
-    if temp is not None:
-        return 1.0 / temp.index_select(0, rows)
-    return 1.0 / (opts.temperature or 1.0)
+def _entry_temperature(temp: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """[E] temperature of each entry's row, or None for a scalar temperature."""
+    return None if temp is None else temp.index_select(0, rows)
 
 
 def entry_logits(
@@ -94,13 +94,14 @@ def entry_logits(
     rows: torch.Tensor,
     ids: torch.Tensor,
     temp: torch.Tensor | None,
-    opts: HeadOptions,
+    opts: KernelOptions,
 ) -> torch.Tensor:
-    """``z_e = softcap(h_{rows_e} · W_{ids_e} + b_{ids_e}) / T`` for E entries, fp32 [E].
+    """``z_e = transform(h_{rows_e} · W_{ids_e} + b_{ids_e})`` for E entries, [E] in the
+    compute dtype.
 
     hidden: [M, H]; weight: [V, H] (``ids`` index its rows); temp: [M] or None. The inputs are
-    rounded to ``opts.head_dtype`` and multiplied exactly in fp32 (products of 16-bit numbers
-    are exact there), accumulating in fp32.
+    rounded to ``opts.head_dtype`` and multiplied exactly in the compute dtype (products of
+    16-bit numbers are exact in fp32), accumulating there.
     """
     num = ids.numel()
     hd = opts.head_dtype
@@ -111,9 +112,7 @@ def entry_logits(
         z[s:e] = w.sum(1)
     if bias is not None:
         z += bias.index_select(0, ids).to(hd).to(z.dtype)
-    if opts.softcap is not None:
-        z.div_(opts.softcap).tanh_().mul_(opts.softcap)
-    return z.mul_(_entry_temperature(temp, rows, opts))
+    return opts.transform.apply_(z, _entry_temperature(temp, rows))
 
 
 def kept_stats(
@@ -202,9 +201,9 @@ def entry_grads(
     grad_logp: torch.Tensor | None,
     grad_ent: torch.Tensor | None,
     temp: torch.Tensor | None,
-    opts: HeadOptions,
+    opts: KernelOptions,
 ) -> torch.Tensor:
-    """d loss / d raw logit of each entry (of a chunk of them), fp32 [E] (see the module
+    """d loss / d raw logit of each entry (of a chunk of them), [E] (see the module
     docstring).
 
     lse, ent, grad_logp, grad_ent: per row [R]; temp: [R] or None.
@@ -220,9 +219,7 @@ def entry_grads(
     if grad_ent is not None and ent is not None:
         e = grad_ent.index_select(0, rows)
         dz -= e * p * (logp_e + ent.index_select(0, rows))
-    inv_t = _entry_temperature(temp, rows, opts)
-    dz = dz * inv_t
-    if opts.softcap is not None:
-        # d softcap(x)/dx = 1 - tanh² = 1 - (z·T / c)²
-        dz *= 1.0 - (z / (inv_t * opts.softcap)).square()
-    return dz
+    temp_e = _entry_temperature(temp, rows)
+    dz = dz * opts.transform.row_factor(temp_e)
+    slope = opts.transform.softcap_slope(z, temp_e)
+    return dz if slope is None else dz.mul_(slope)

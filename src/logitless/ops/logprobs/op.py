@@ -1,24 +1,16 @@
-"""The fused LM-head op: per-token log-probs and entropy without ``[tokens, vocab]`` logits."""
+"""The LM-head op: per-token log-probs and entropy without ``[tokens, vocab]`` logits."""
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_flag
-from ._validate import HeadArgs, check_chunk_size, check_head_call
-from ._validate_replay import ReplayArgs, check_replay_call
-from .kernels import (
-    Backend,
-    LinearLogprobsFunction,
-    backend_module,
-    head_options,
-    kernel_labels,
-    select_rows,
-)
-from .kernels.replay import replay_logprobs
-from .parallel.vocab import VocabParallel
-from .sampling import SamplingMask
-from .types import LogProbs
+from ...contract.head import HeadCall, check_head_call
+from ...contract.options import Backend, HeadOptions, SamplerOptions
+from ...parallel.vocab import VocabParallel
+from ...sampling import SamplingMask
+from ...types import LogProbs
+from ..rows import kernel_batch, kernel_options, select_rows
+from .function import run_rows
 
 
 def linear_logprobs(
@@ -29,6 +21,7 @@ def linear_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     with_entropy: bool = False,
     ignore_index: int = -100,
     chunk_size: int | None = None,
@@ -46,6 +39,7 @@ def linear_logprobs(
     Computes what this plain PyTorch computes, without allocating the ``[..., V]`` logits::
 
         logits = F.linear(hidden, weight, bias).float()       # head_dtype matmul, fp32 softmax
+        logits = logits * logit_scale                         # if logit_scale is given
         logits = softcap * tanh(logits / softcap)             # if softcap is given
         logits = logits / temperature
         logprobs = logits.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
@@ -57,7 +51,8 @@ def linear_logprobs(
     statistics live between forward and backward.
 
     Args:
-        hidden: ``[..., H]`` final hidden states, fp32 / bf16 / fp16.
+        hidden: ``[..., H]`` final hidden states, fp32 / bf16 / fp16 (float64: computed in
+            float64).
         weight: ``[V, H]`` LM-head (or tied embedding) weight.
         labels: ``[...]`` integer target ids in ``[0, V)``, or ``ignore_index``.
         bias: ``[V]`` head bias, or None.
@@ -65,6 +60,9 @@ def linear_logprobs(
             (per token); treated as a constant (no gradient).
         softcap: final-logit soft-capping constant ``c`` (Gemma-2): ``c·tanh(z / c)``, applied
             before the temperature.
+        logit_scale: a constant the logits are multiplied by, after the bias and before softcap
+            and temperature (Cohere's ``logit_scale``; Granite divides by ``logits_scaling``:
+            pass its inverse). None: 1.
         with_entropy: also return the entropy of each row's distribution (differentiable).
         ignore_index: label value that marks rows to skip.
         chunk_size: rows per tile; None picks it from a memory budget (8 MiB fp32 tiles on CPU,
@@ -99,11 +97,12 @@ def linear_logprobs(
             the vocabulary (no gradient), with top-k / top-p it is free.
 
     Returns:
-        :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape``; entropy is
-        None unless ``with_entropy``. Gradients flow to hidden, weight and bias in their own
-        dtypes, from both outputs. With replay, a :class:`~logitless.types.ReplayLogProbs`
-        (unpacks the same way) that also carries ``label_added`` (bool: the label was not in
-        its kept set and was added), ``kept_size`` (int64 ``|K|``) and ``log_kept_mass``.
+        :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape`` (float64
+        for a float64 head); entropy is None unless ``with_entropy``. Gradients flow to hidden,
+        weight and bias in their own dtypes, from both outputs. With replay, a
+        :class:`~logitless.types.ReplayLogProbs` (unpacks the same way) that also carries
+        ``label_added`` (bool: the label was not in its kept set and was added),
+        ``kept_size`` (int64 ``|K|``) and ``log_kept_mass``.
 
     Raises:
         ValueError: on any shape, dtype, device or value problem, before any work.
@@ -119,92 +118,46 @@ def linear_logprobs(
         (torch.Size([2, 5]), torch.float32)
         >>> (out.logprobs.sum() + 0.01 * out.entropy.sum()).backward()
     """
-    chunk_size = check_chunk_size(chunk_size)
-    check_flag("with_entropy", with_entropy)
-    replaying = any(v is not None for v in (sampling_mask, top_k, top_p, min_p))
-    if vocab_parallel is None and not replaying and torch.compiler.is_compiling():
-        # Compiled code calls the op as one opaque custom op (same checks and kernels inside):
-        # the checks' host read and the data-dependent row selection cannot be traced.
-        from .kernels.compiled import linear_logprobs_op
-
-        return linear_logprobs_op(
-            hidden,
-            weight,
-            labels,
-            bias=bias,
-            temperature=temperature,
-            softcap=softcap,
-            with_entropy=with_entropy,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            head_dtype=head_dtype,
-            backend=backend,
-        )
-    args = check_head_call(
-        hidden,
-        weight,
-        labels,
-        bias=bias,
+    options = HeadOptions(
         temperature=temperature,
         softcap=softcap,
+        logit_scale=logit_scale,
+        with_entropy=with_entropy,
         ignore_index=ignore_index,
+        chunk_size=chunk_size,
         head_dtype=head_dtype,
         vocab_parallel=vocab_parallel,
         backend=backend,
     )
-    replay = check_replay_call(
-        args,
-        ignore_index,
-        vocab_parallel=vocab_parallel,
-        sampling_mask=sampling_mask,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        with_kept_mass=with_kept_mass,
-    )
-    return logprobs_of_checked(
-        args,
-        with_entropy=with_entropy,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        vocab_parallel=vocab_parallel,
-        replay=replay,
-        with_kept_mass=with_kept_mass,
-    )
+    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
+    return logprobs_of(hidden, weight, labels, bias, options, sampler)
 
 
-def logprobs_of_checked(
-    args: HeadArgs,
-    *,
-    with_entropy: bool,
-    ignore_index: int,
-    chunk_size: int | None,
-    vocab_parallel: VocabParallel | None,
-    replay: ReplayArgs | None = None,
-    with_kept_mass: bool = False,
+def logprobs_of(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    options: HeadOptions,
+    sampler: SamplerOptions,
 ) -> LogProbs:
-    """:func:`linear_logprobs` of arguments already checked by ``check_head_call`` (and
-    ``check_replay_call``): the HF integration checks before its backbone runs, then calls
-    this (one check, one sync)."""
-    rows = select_rows(args, ignore_index)
-    opts = head_options(
-        args, rows, with_entropy, chunk_size=chunk_size, vocab_parallel=vocab_parallel
-    )
-    labels_k = kernel_labels(rows, vocab_parallel)
-    weight, bias = args.weight, args.bias
-    tracked = (args.hidden, weight) if bias is None else (args.hidden, weight, bias)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tracked)
-    if replay is not None:
-        return replay_logprobs(
-            rows, weight, bias, labels_k, opts, replay, with_kept_mass=with_kept_mass, grad=grad
-        )
-    if grad:
-        out = LinearLogprobsFunction.apply(
-            rows.hidden, weight, bias, labels_k, rows.temperature, opts
-        )
-        logp, ent = out if with_entropy else (out, None)
-    else:
-        logp, _, ent, _ = backend_module(opts).forward_rows(
-            rows.hidden, weight, bias, labels_k, rows.temperature, opts
-        )
+    """:func:`linear_logprobs` with its options as objects (the modules' entry)."""
+    if options.vocab_parallel is None and not sampler.replaying and torch.compiler.is_compiling():
+        # Compiled code calls the op as one opaque custom op (same checks and kernels inside):
+        # the checks' host read and the data-dependent row selection cannot be traced.
+        from .compiled import linear_logprobs_op
+
+        return linear_logprobs_op(hidden, weight, labels, bias, options)
+    return logprobs_of_call(check_head_call(hidden, weight, labels, bias, options, sampler))
+
+
+def logprobs_of_call(call: HeadCall) -> LogProbs:
+    """The log-prob op on a checked call (the HF integration checks before its backbone runs,
+    then calls this: one check, one sync)."""
+    rows = select_rows(call)
+    if call.replay is not None:
+        from ..replay.op import replay_logprobs
+
+        return replay_logprobs(call, rows)
+    logp, ent = run_rows(kernel_batch(call, rows), kernel_options(call, rows.labels.numel()))
     return LogProbs(rows.scatter(logp), None if ent is None else rows.scatter(ent))

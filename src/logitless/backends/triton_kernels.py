@@ -3,8 +3,9 @@
 Forward (:func:`forward_rows`). One kernel, ``_stats_kernel``, tiles ``[M, V]`` into
 ``[BLOCK_M, BLOCK_N]`` blocks of ``h·Wᵀ`` (``tl.dot``, fp32 accumulation). Each program owns
 one row block and one *vocabulary split* (a run of consecutive vocab blocks); the epilogue
-applies bias, softcap and temperature to the fp32 tile in registers, masks the vocabulary tail
-and folds the tile into the row's online statistics
+applies the logit transform (bias, logit scale, softcap, temperature: the Triton twin of
+:class:`logitless.transform.LogitTransform`) to the fp32 tile in registers, masks the
+vocabulary tail and folds the tile into the row's online statistics
 
     m = max z        s = Σ exp(z - m)        q = Σ exp(z - m)·(z - m)        z_y (label logit)
 
@@ -16,7 +17,7 @@ Backward (:func:`backward_rows`). The vocabulary is cut into chunks of ``vc`` co
 that a ``[rows, vc]`` workspace in the compute dtype stays within ``_WORKSPACE_BYTES``. For each
 chunk ``_dz_kernel`` recomputes the tile and writes, in registers,
 
-    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y)      then · (1/T) and · softcap'(x)
+    dz = -p ⊙ (g + e·(log p + H)) + g·onehot(y)      then · (s/T) and · softcap'(x)
 
 into the workspace (the label term is a compare, never a one-hot); then cuBLAS writes that
 chunk's ``dW`` rows once (``dzᵀ·h``) and adds ``dz·W_chunk`` into an fp32 hidden gradient, so
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .options import HeadOptions, finish_stats
+from .base import GradFn, HeadGrads, KernelOptions, Needs, RowBatch, RowStats, finish_stats
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -90,8 +91,10 @@ def _logits_tile(
     K,
     stride_h,
     stride_w,
+    scale,
     softcap,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     TEMP_MODE: tl.constexpr,
     HEAD_DTYPE: tl.constexpr,
@@ -102,8 +105,9 @@ def _logits_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Transformed logits ``z = softcap(h·wᵀ + b) / T`` of one [BLOCK_M, BLOCK_N] tile, fp32,
-    and ``tanh(x / softcap)`` (for the backward's softcap derivative; ``z`` without softcap).
+    """Transformed logits ``z = softcap(s·(h·wᵀ + b)) / T`` of one [BLOCK_M, BLOCK_N] tile,
+    fp32, and ``tanh(s·x / softcap)`` (for the backward's softcap derivative; ``z`` without
+    softcap).
 
     ``rows`` / ``cols`` are in-range ids (the caller masks the tails), so loads need no mask
     along M or V; K is masked unless it is a multiple of BLOCK_K.
@@ -133,6 +137,8 @@ def _logits_tile(
     x = acc
     if HAS_BIAS:
         x += tl.load(b_ptr + cols).to(HEAD_DTYPE).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        x = x * scale
     th = x
     if HAS_SOFTCAP:
         # tanh(u) = 2·sigmoid(2u) - 1 (libdevice's tanh is missing in the interpreter)
@@ -159,8 +165,10 @@ def _stats_kernel(
     stride_w,
     num_splits,
     inv_temp,
+    scale,
     softcap,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     TEMP_MODE: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
@@ -197,8 +205,8 @@ def _stats_kernel(
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
         z, _ = _logits_tile(
-            h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, softcap,
-            HAS_BIAS, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
+            h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, scale, softcap,
+            HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
             BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         z = tl.where(col_ok[None, :], z, -1.0e30)  # the tail: exp() = 0, no inf arithmetic
@@ -245,8 +253,10 @@ def _dz_kernel(
     v_start,
     width,
     inv_temp,
+    scale,
     softcap,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     TEMP_MODE: tl.constexpr,
     HAS_G: tl.constexpr,
@@ -273,18 +283,22 @@ def _dz_kernel(
     offs_n = v_start + offs_c
     inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
     z, th = _logits_tile(
-        h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, softcap,
-        HAS_BIAS, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
+        h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, scale, softcap,
+        HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
         BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     logp = z - tl.load(lse_ptr + rows)[:, None]
     p = tl.exp(logp)
+    if HAS_SCALE:  # dz/dx's per-row part: s / T
+        factor = inv_t * scale
+    else:
+        factor = inv_t
     if HAS_G:
-        g_t = tl.load(g_ptr + rows) * inv_t  # g / T
+        g_t = tl.load(g_ptr + rows) * factor  # g · s / T
     else:
         g_t = tl.zeros((BLOCK_M,), tl.float32)
     if HAS_E:
-        e_t = tl.load(e_ptr + rows) * inv_t  # e / T
+        e_t = tl.load(e_ptr + rows) * factor  # e · s / T
         ent = tl.load(ent_ptr + rows)
         dz = -p * (g_t[:, None] + e_t[:, None] * (logp + ent[:, None]))
     else:
@@ -378,7 +392,8 @@ def _launch(name: str, elems: int, grid_of, *args, **kwargs) -> None:
 class _Call:
     """What every launch of one call shares: tensors made kernel-ready and the constexprs."""
 
-    def __init__(self, hidden, weight, bias, labels, temp, opts: HeadOptions) -> None:
+    def __init__(self, rows: RowBatch, opts: KernelOptions) -> None:
+        hidden, weight, bias, labels, temp = rows
         self.hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
         self.weight = weight if weight.stride(-1) == 1 else weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
@@ -392,12 +407,15 @@ class _Call:
         ieee = _INTERPRET or (
             hd == torch.float32 and torch.get_float32_matmul_precision() == "highest"
         )
-        scalar_t = opts.temperature if opts.temperature is not None else 1.0
+        transform = opts.transform
+        scalar_t = transform.temperature if transform.temperature is not None else 1.0
         self.inv_temp = 1.0 / scalar_t
-        self.softcap = 1.0 if opts.softcap is None else float(opts.softcap)
+        self.scale = 1.0 if transform.scale is None else float(transform.scale)
+        self.softcap = 1.0 if transform.softcap is None else float(transform.softcap)
         self.meta = {
             "HAS_BIAS": bias is not None,
-            "HAS_SOFTCAP": opts.softcap is not None,
+            "HAS_SCALE": transform.scale is not None,
+            "HAS_SOFTCAP": transform.softcap is not None,
             "TEMP_MODE": 2 if temp is not None else (1 if scalar_t != 1.0 else 0),
             "HEAD_DTYPE": _TL_DTYPES[hd],
             # The interpreter's dot is wrong on 16-bit tiles: upcast them there (exact).
@@ -450,7 +468,7 @@ def _merge_splits(
     return m_all, s_all, q_all, zy.sum(0)
 
 
-def _row_passes(num_rows: int, opts: HeadOptions) -> list[tuple[int, int]]:
+def _row_passes(num_rows: int, opts: KernelOptions) -> list[tuple[int, int]]:
     step = opts.chunk_size or max(num_rows, 1)
     return [(r, min(r + step, num_rows)) for r in range(0, num_rows, step)]
 
@@ -473,6 +491,7 @@ def _stats_pass(call: _Call, r0: int, r1: int, with_entropy: bool, vocab_paralle
         call.weight.stride(0),
         splits,
         call.inv_temp,
+        call.scale,
         call.softcap,
         WITH_ENTROPY=with_entropy,
         **call.meta,
@@ -481,34 +500,25 @@ def _stats_pass(call: _Call, r0: int, r1: int, with_entropy: bool, vocab_paralle
     return finish_stats(m, s, q if with_entropy else None, zy, vocab_parallel)
 
 
-def forward_rows(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: torch.Tensor | None,
-    opts: HeadOptions,
-    keep_tile: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -> RowStats:
     """Log-prob of each row's label, its log-sum-exp and (optionally) entropy.
 
-    hidden: [M, H]; weight: [V, H]; labels: [M] int64 (shard-local under vocab parallelism,
-    possibly outside [0, V) then); temp: [M] fp32 or None. Returns logp [M], lse [M], entropy
-    [M] or None (fp32) and None (nothing is kept for backward: it recomputes). ``keep_tile`` is
-    accepted for the torch backend's signature and ignored.
+    rows: M valid rows (labels shard-local under vocab parallelism, possibly outside [0, V)
+    then). Returns fp32 :class:`RowStats` with nothing kept for backward (it recomputes);
+    ``keep_tile`` is accepted for the interface and ignored.
     """
-    num_rows = hidden.shape[0]
-    dev = hidden.device
+    num_rows = rows.hidden.shape[0]
+    dev = rows.hidden.device
     logp = torch.empty(num_rows, device=dev)
     lse = torch.empty(num_rows, device=dev)
     ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
-    call = _Call(hidden, weight, bias, labels, temp, opts)
+    call = _Call(rows, opts)
     for r0, r1 in _row_passes(num_rows, opts):
         lp, ls, en = _stats_pass(call, r0, r1, opts.with_entropy, opts.vocab_parallel)
         logp[r0:r1], lse[r0:r1] = lp, ls
         if ent is not None:
             ent[r0:r1] = en
-    return logp, lse, ent, None
+    return RowStats(logp, lse, ent)
 
 
 @functools.cache
@@ -544,24 +554,19 @@ def _vocab_chunk(rows: int, vocab: int, itemsize: int) -> int:
 
 
 def backward_rows(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: torch.Tensor | None,
-    lse: torch.Tensor,
-    ent: torch.Tensor | None,
+    rows: RowBatch,
+    stats: RowStats,
     grad_logp: torch.Tensor | None,
     grad_ent: torch.Tensor | None,
-    opts: HeadOptions,
-    needs: tuple[bool, bool, bool],
-    kept: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    opts: KernelOptions,
+    needs: Needs,
+) -> HeadGrads:
     """Gradients for hidden [M, H], weight [V, H] and bias [V], in those tensors' dtypes.
 
-    grad_logp / grad_ent: [M] upstream gradients (None when that output is unused); needs:
-    which of (hidden, weight, bias) want a gradient; ``kept`` is ignored (torch backend's).
+    stats: the forward's lse and entropy; grad_logp / grad_ent: [M] upstream gradients (None
+    when that output is unused); needs: which of (hidden, weight, bias) want a gradient.
     """
+    hidden, weight, bias = rows.hidden, rows.weight, rows.bias
     num_rows, dim = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
@@ -583,10 +588,10 @@ def backward_rows(
         dh = torch.zeros_like(hidden) if need_h else None
         return dh, None if dw is None else dw.zero_(), None if db is None else db.to(bias.dtype)
 
-    call = _Call(hidden, weight, bias, labels, temp, opts)
+    call = _Call(rows, opts)
     h_all = hidden.to(hd)
     f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
-    lse, ent, g_all, e_all = f32(lse), f32(ent), f32(grad_logp), f32(grad_ent)
+    lse, ent, g_all, e_all = f32(stats.lse), f32(stats.entropy), f32(grad_logp), f32(grad_ent)
     dh_acc = None
     for r0, r1 in passes:
         rows = r1 - r0
@@ -619,6 +624,7 @@ def backward_rows(
                 v0,
                 width,
                 call.inv_temp,
+                call.scale,
                 call.softcap,
                 HAS_G=g_all is not None,
                 HAS_E=use_e,
@@ -650,25 +656,17 @@ def backward_rows(
 
 
 def fused_rows(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: torch.Tensor | None,
-    opts: HeadOptions,
-    grad_fn,
-    needs: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    rows: RowBatch, opts: KernelOptions, grad_fn: GradFn, needs: Needs
+) -> tuple[torch.Tensor, torch.Tensor | None, HeadGrads]:
     """Log-probs, entropy and parameter gradients of a loss whose per-row gradient
     ``grad_fn(0, M, logp, entropy)`` gives: the statistics kernel, one evaluation of the loss
     gradient for every row, then :func:`backward_rows`. Same contract as the torch backend's
     ``fused_rows`` (which calls ``grad_fn`` once per row chunk)."""
-    logp, lse, ent, _ = forward_rows(hidden, weight, bias, labels, temp, opts)
-    g, e = grad_fn(0, hidden.shape[0], logp, ent)
-    if e is not None and ent is None:
+    stats = forward_rows(rows, opts)
+    g, e = grad_fn(0, rows.hidden.shape[0], stats.logp, stats.entropy)
+    if e is not None and stats.entropy is None:
         raise ValueError("grad_fn returned an entropy gradient but with_entropy is False")
-    grads = backward_rows(hidden, weight, bias, labels, temp, lse, ent, g, e, opts, needs)
-    return logp, ent, grads
+    return stats.logp, stats.entropy, backward_rows(rows, stats, g, e, opts, needs)
 
 
 __all__ = ["backward_rows", "forward_rows", "fused_rows"]

@@ -1,0 +1,102 @@
+"""Which kernels run a call: the backend registry and the rule that picks one.
+
+A backend is a module implementing :class:`logitless.backends.base.KernelBackend` (row forward,
+row backward, fused rows). Adding one is that module and one line in :data:`BACKENDS`: its
+module path and when it can run. ``backend="auto"`` takes the first registered backend whose
+``auto`` rule accepts the call, the torch tiles otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def interpreting() -> bool:
+    """Triton's interpreter is on (``TRITON_INTERPRET=1``): its kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registry line.
+
+    module: where the implementation lives (imported on first use).
+    refuse: ``(device, head_dtype) -> reason`` it cannot run a call (None: it can).
+    auto: ``(device, head_dtype) -> bool``: ``backend="auto"`` picks it for such a call.
+    """
+
+    module: str
+    refuse: Callable[[torch.device, torch.dtype], str | None]
+    auto: Callable[[torch.device, torch.dtype], bool]
+
+
+def _torch_refuses(device: torch.device, head_dtype: torch.dtype) -> str | None:
+    return None  # any device, any floating dtype
+
+
+def _triton_refuses(device: torch.device, head_dtype: torch.dtype) -> str | None:
+    if head_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return (
+            f"backend='triton' runs fp32, bf16 and fp16 heads; a {head_dtype} head runs on "
+            "backend='torch' (or 'auto')"
+        )
+    if not _installed("triton"):
+        return (
+            "backend='triton' needs the triton package (pip install triton; CUDA builds of "
+            "torch ship it), or use backend='torch'"
+        )
+    if device.type == "cuda" and not interpreting():
+        return None
+    if device.type == "cpu":
+        if interpreting():
+            return None
+        return (
+            "backend='triton' on CPU tensors runs the kernels in Triton's interpreter, which "
+            "is off: set the environment variable TRITON_INTERPRET=1 before the first call "
+            "(slow; meant for tests), move the tensors to a CUDA device, or use "
+            "backend='torch'"
+        )
+    return (
+        f"backend='triton' runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1), got "
+        f"tensors on {device}; use backend='torch'"
+    )
+
+
+def _triton_auto(device: torch.device, head_dtype: torch.dtype) -> bool:
+    """16-bit heads on CUDA, where it was measured faster (docs/benchmarks.md); fp32 keeps the
+    torch tiles (cuBLAS SGEMM beats an IEEE ``tl.dot``)."""
+    fast = device.type == "cuda" and head_dtype in (torch.bfloat16, torch.float16)
+    return fast and _triton_refuses(device, head_dtype) is None
+
+
+#: The backends, in the order ``"auto"`` tries them (the torch tiles take what none takes).
+BACKENDS: dict[str, BackendSpec] = {
+    "triton": BackendSpec("logitless.backends.triton_kernels", _triton_refuses, _triton_auto),
+    "torch": BackendSpec("logitless.backends.torch_tiles", _torch_refuses, lambda d, t: True),
+}
+
+
+def resolve_backend(backend: str, device: torch.device, head_dtype: torch.dtype) -> str:
+    """The registered backend that runs a call on ``device`` with a ``head_dtype`` head.
+
+    ``"auto"`` picks the first backend whose ``auto`` rule accepts the call (Triton for 16-bit
+    heads on CUDA when it is installed, the torch tiles otherwise; never Triton on CPU). A
+    named backend that cannot run the call raises ``ValueError`` saying why.
+    """
+    if backend == "auto":
+        return next(name for name, spec in BACKENDS.items() if spec.auto(device, head_dtype))
+    reason = BACKENDS[backend].refuse(device, head_dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    return backend

@@ -1,0 +1,286 @@
+"""The head contract: :class:`HeadCall`, the checked call, built by :func:`check_head_call`.
+
+Every public head entry point (the op, the fused loss, the reference, the modules, the HF
+integration) turns its arguments into a :class:`~logitless.contract.options.HeadOptions` and a
+:class:`~logitless.contract.options.SamplerOptions` and calls :func:`check_head_call` once;
+everything below takes the :class:`HeadCall` it returns. Every check runs before any FLOP and
+raises ``ValueError`` naming the argument, what was expected and what was given. The checks on
+tensor *values* (label range, temperature sign, the sampler's kept sets) are read on the host
+together with the number of valid rows: the price of never returning a silently wrong number
+(the kernels need that row count anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.vocab import VocabParallel
+from ..transform import LogitTransform, compute_dtype
+from .agree import check_then_agree
+from .backend import resolve_backend
+from .checks import INT_DTYPES, check_full_precision, fmt_shape, is_dtensor, per_position
+from .options import HeadOptions, SamplerOptions
+from .replay import ReplayArgs, check_sampler
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """One head call, checked: its tensors flattened to rows and every option, resolved.
+
+    hidden ``[N, H]``; weight ``[V, H]`` (this rank's shard under vocab parallelism); bias
+    ``[V]`` or None; labels ``[N]`` int64 (global ids); temperature ``[N]`` per-row
+    temperatures in the compute dtype, or None when it is one scalar (then in ``transform``);
+    transform: logit scale, softcap and scalar temperature; head_dtype: the projection's
+    dtype; backend: the kernels that run it (``"torch"`` or ``"triton"``); batch_shape: the
+    caller's ``labels.shape``; num_valid: rows whose label is not ``ignore_index``; replay:
+    the checked sampler (None: no sampling replay).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    labels: torch.Tensor
+    temperature: torch.Tensor | None
+    transform: LogitTransform
+    head_dtype: torch.dtype
+    with_entropy: bool
+    ignore_index: int
+    chunk_size: int | None
+    vocab_parallel: VocabParallel | None
+    backend: str
+    batch_shape: torch.Size
+    num_valid: int
+    replay: ReplayArgs | None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return compute_dtype(self.head_dtype)
+
+    @property
+    def tracked(self) -> bool:
+        """Whether autograd wants a gradient of this call (grad mode on and an input that
+        requires one)."""
+        tensors = (self.hidden, self.weight, self.bias)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+    def replace(self, **changes: object) -> HeadCall:
+        return dataclasses.replace(self, **changes)
+
+
+def check_head_call(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    options: HeadOptions,
+    sampler: SamplerOptions | None = None,
+) -> HeadCall:
+    """The one check of a head call (and of its sampling replay), or ``ValueError``.
+
+    Three steps: the tensors themselves, their shapes / dtypes / devices, then the values (one
+    host read). With ``options.vocab_parallel`` ``weight`` and ``bias`` are this rank's shard,
+    labels and kept ids are checked against the global vocabulary, and the call is collective:
+    every rank joins one agreement whether or not its own inputs passed, so a bad input on one
+    rank raises on all of them instead of leaving the others waiting.
+    """
+    sampler = sampler if sampler is not None else SamplerOptions()
+
+    def check() -> HeadCall:
+        return _check(hidden, weight, labels, bias, options, sampler)
+
+    vp = options.vocab_parallel
+    if vp is None:
+        return check()
+    call, _ = check_then_agree(check, lambda c, e: vp.agree(None if c is None else c.labels, e))
+    return call
+
+
+def _check(hidden, weight, labels, bias, options: HeadOptions, sampler: SamplerOptions):
+    _check_plain_tensors(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    label_vocab = _check_layout(hidden, weight, labels, bias, options)
+    head_dtype = options.head_dtype if options.head_dtype is not None else hidden.dtype
+    backend = resolve_backend(options.backend, weight.device, head_dtype)
+    temp, num_valid = _check_values(labels, options, label_vocab, compute_dtype(head_dtype))
+    flat = labels.reshape(-1).long()
+    scalar_t = None if isinstance(options.temperature, torch.Tensor) else options.temperature
+    return HeadCall(
+        hidden=hidden.reshape(-1, weight.shape[1]),
+        weight=weight,
+        bias=bias,
+        labels=flat,
+        temperature=temp,
+        transform=LogitTransform(options.logit_scale, options.softcap, scalar_t),
+        head_dtype=head_dtype,
+        with_entropy=options.with_entropy,
+        ignore_index=options.ignore_index,
+        chunk_size=options.chunk_size,
+        vocab_parallel=options.vocab_parallel,
+        backend=backend,
+        batch_shape=labels.shape,
+        num_valid=num_valid,
+        replay=check_sampler(sampler, flat, labels.shape, options.ignore_index, label_vocab),
+    )
+
+
+def _check_plain_tensors(**tensors: object) -> None:
+    """Every given argument is a plain tensor (not a DTensor: say how to get one)."""
+    for name, t in tensors.items():
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if is_dtensor(t):
+            if name in ("weight", "bias"):
+                advice = (
+                    "with FSDP2, call the head inside a sharded module's forward so the weight "
+                    "is gathered (logitless.LogprobHead / PolicyLossHead); with tensor "
+                    "parallelism, pass this rank's vocab shard (`.to_local()`) together with "
+                    "vocab_parallel=logitless.VocabParallel(...). A plain `.to_local()` shard "
+                    "alone would be a softmax over part of the vocabulary"
+                )
+            else:
+                advice = "pass this rank's rows as a plain tensor (`.to_local()`)"
+            raise ValueError(f"{name} is a DTensor; logitless takes plain tensors: {advice}")
+
+
+def _check_hidden_against_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """``hidden [..., H]`` floating, ``weight [V, H]`` (the rule the HF path checks again on
+    the backbone's real hidden states)."""
+    if hidden.dim() < 1 or not hidden.is_floating_point():
+        raise ValueError(
+            f"hidden must be a floating tensor of shape [..., H], got dtype {hidden.dtype} "
+            f"and shape {fmt_shape(hidden)}"
+        )
+    vocab, dim = weight.shape
+    if hidden.shape[-1] != dim:
+        transposed = ""
+        if vocab == hidden.shape[-1]:
+            transposed = "; it looks transposed ([H, V]): pass weight.T (nn.Linear(H, V).weight)"
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden's last dimension ({hidden.shape[-1]}), got "
+            f"weight of shape {fmt_shape(weight)} and hidden of shape {fmt_shape(hidden)}"
+            f"{transposed}"
+        )
+
+
+def _check_dtypes(hidden: torch.Tensor, weight: torch.Tensor, options: HeadOptions) -> None:
+    if options.head_dtype is None and hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, or pass "
+            "head_dtype= to run the projection in one dtype"
+        )
+
+
+def _check_layout(hidden, weight, labels, bias, options: HeadOptions) -> int:
+    """Shapes, dtypes and devices (no value read); returns the label vocabulary size."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"weight must be a floating [V, H] tensor, got dtype {weight.dtype} and shape "
+            f"{fmt_shape(weight)}"
+        )
+    vp = options.vocab_parallel
+    vocab = weight.shape[0]
+    label_vocab = vocab if vp is None else _check_shard(weight, vp)
+    _check_hidden_against_weight(hidden, weight)
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have shape {list(hidden.shape[:-1])} (hidden's shape without H), "
+            f"got {fmt_shape(labels)}"
+        )
+    if labels.dtype not in INT_DTYPES:
+        raise ValueError(f"labels must be an integer tensor (int64), got dtype {labels.dtype}")
+    devices = {t.device for t in (hidden, weight, labels, bias) if t is not None}
+    if isinstance(options.temperature, torch.Tensor):
+        devices.add(options.temperature.device)
+    if len(devices) > 1:
+        raise ValueError(
+            f"hidden, weight, labels, bias and temperature must be on one device, got "
+            f"{sorted(str(d) for d in devices)}"
+        )
+    if hidden.device.type == "meta":
+        raise ValueError(
+            "hidden, weight and labels are meta tensors: logitless reads label values (range "
+            "check, number of valid rows) before any work, which meta tensors do not have. Run "
+            "the head on real tensors (with a meta-initialized model: after materializing its "
+            "weights)"
+        )
+    _check_dtypes(hidden, weight, options)
+    if bias is not None:
+        if bias.shape != (vocab,) or not bias.is_floating_point():
+            raise ValueError(
+                f"bias must be a floating tensor of shape [{vocab}] (weight's V), got dtype "
+                f"{bias.dtype} and shape {fmt_shape(bias)}"
+            )
+        if options.head_dtype is None and bias.dtype != weight.dtype:
+            raise ValueError(
+                f"bias ({bias.dtype}) and weight ({weight.dtype}) must share a dtype, or pass "
+                "head_dtype="
+            )
+    return label_vocab
+
+
+def _check_shard(weight: torch.Tensor, vp: VocabParallel) -> int:
+    """``weight`` is this rank's shard of ``vp``; returns the global vocabulary."""
+    if weight.shape[0] != vp.shard_size:
+        raise ValueError(
+            f"with vocab_parallel, weight must be this rank's shard of {vp.shard_size} rows "
+            f"(rows [{vp.vocab_start}, {vp.vocab_end}) of {vp.vocab_size}), got "
+            f"{fmt_shape(weight)}; slice it with vocab_parallel.shard(full_weight)"
+        )
+    return vp.vocab_size
+
+
+def _check_values(
+    labels: torch.Tensor, options: HeadOptions, label_vocab: int, stats_dtype: torch.dtype
+) -> tuple[torch.Tensor | None, int]:
+    """Label range and temperature values, read with the valid-row count in one host transfer
+    (the one sync of a call). Returns the per-row temperature (``[N]`` in ``stats_dtype``, or
+    None for a scalar) and the number of valid rows. Labels of every integer dtype are compared
+    as int64 (a Python bound would wrap in uint8 / int8 / int16)."""
+    flat = labels.reshape(-1).long()
+    valid = flat != options.ignore_index
+    bad = valid & ((flat < 0) | (flat >= label_vocab))
+    temp = None
+    counts = [valid.sum(), bad.sum()]
+    if isinstance(options.temperature, torch.Tensor):
+        t = options.temperature
+        if not t.is_floating_point():
+            raise ValueError(f"temperature tensor must be floating, got dtype {t.dtype}")
+        check_full_precision(temperature=t)
+        temp = per_position("temperature", t, labels.shape, labels.device, integer=False)
+        temp = temp.to(stats_dtype)
+        counts.append((~(torch.isfinite(temp) & (temp > 0))).sum())
+    num_valid, n_bad, *rest = torch.stack(counts).tolist() if flat.numel() else [0, 0]
+    if n_bad:
+        first = flat[bad][0].item()
+        where = " (the global vocabulary of vocab_parallel)" if options.vocab_parallel else ""
+        raise ValueError(
+            f"labels must be in [0, {label_vocab}){where} or equal "
+            f"ignore_index={options.ignore_index}; {n_bad} label(s) are not, e.g. {first}"
+        )
+    if rest and rest[0]:
+        raise ValueError("temperature must be finite and > 0 everywhere")
+    return temp, int(num_valid)
+
+
+def with_hidden(call: HeadCall, hidden: object, options: HeadOptions) -> HeadCall:
+    """``call`` (checked on a placeholder of the hidden states, e.g. before a model's backbone
+    ran) with the real ``hidden`` in its place, after the checks that concern ``hidden`` alone:
+    type, shape, device, dtype. No value check and no host sync: those ran on ``call``.
+    ``options``: the call's options (``head_dtype=None``: hidden must share the weight's dtype).
+    """
+    if not isinstance(hidden, torch.Tensor) or is_dtensor(hidden):
+        raise ValueError(f"hidden must be a plain torch.Tensor, got {type(hidden).__name__}")
+    dim = call.weight.shape[1]
+    if hidden.shape != (*call.batch_shape, dim) or not hidden.is_floating_point():
+        raise ValueError(
+            f"hidden must be a floating tensor of shape {[*call.batch_shape, dim]}, got dtype "
+            f"{hidden.dtype} and shape {fmt_shape(hidden)}"
+        )
+    if hidden.device != call.weight.device:
+        raise ValueError(f"hidden must be on {call.weight.device}, got {hidden.device}")
+    _check_dtypes(hidden, call.weight, options)
+    return call.replace(hidden=hidden.reshape(-1, dim))

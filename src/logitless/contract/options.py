@@ -1,0 +1,186 @@
+"""The options of a head call, declared once: :class:`HeadOptions` and :class:`SamplerOptions`.
+
+Every public entry point (the op, the fused loss, the reference, the module forms, the HF and
+TRL integrations) builds these two objects from its keyword arguments, or stores them (the
+modules), and hands them to :func:`~logitless.contract.head.check_head_call`; nothing below
+re-lists an option. Their scalar values are checked here, when the object is made (a module
+refuses a bad option at construction); tensor-valued options (a per-token temperature, a
+sampling mask, per-token sampler parameters) are checked with the call's tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..parallel.vocab import VocabParallel
+from ..sampling import SamplingMask
+from .checks import (
+    check_flag,
+    check_optional_int,
+    optional_positive_float,
+    positive_finite_float,
+)
+
+Backend = Literal["auto", "triton", "torch"]
+
+
+def _check_backend_name(backend: object) -> None:
+    from .backend import BACKENDS
+
+    names = ("auto", *BACKENDS)
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """Everything a head call asks for besides its tensors (the same names and meanings as the
+    keyword arguments of :func:`~logitless.linear_logprobs`).
+
+    temperature: float, or a per-token tensor broadcastable to the labels (no gradient).
+    softcap: final-logit soft-capping constant ``c`` (``c·tanh(z / c)``), or None.
+    logit_scale: a constant the logits are multiplied by after the bias, before softcap and
+        temperature (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``), or None.
+    with_entropy: also compute the entropy of each row.
+    ignore_index: the label of rows to skip.
+    chunk_size: rows per pass (None: the backend's choice).
+    head_dtype: the projection's dtype (None: the inputs').
+    vocab_parallel: the head's vocabulary shard, or None.
+    backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+    """
+
+    temperature: float | torch.Tensor = 1.0
+    softcap: float | None = None
+    logit_scale: float | None = None
+    with_entropy: bool = False
+    ignore_index: int = -100
+    chunk_size: int | None = None
+    head_dtype: torch.dtype | None = None
+    vocab_parallel: VocabParallel | None = None
+    backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, torch.Tensor):
+            positive_finite_float("temperature", self.temperature)
+        optional_positive_float("softcap", self.softcap)
+        optional_positive_float("logit_scale", self.logit_scale)
+        check_flag("with_entropy", self.with_entropy)
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        check_optional_int("chunk_size", self.chunk_size, minimum=1)
+        dt = self.head_dtype
+        if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
+            raise ValueError(f"head_dtype must be None or a floating torch.dtype, got {dt!r}")
+        if self.vocab_parallel is not None and not isinstance(self.vocab_parallel, VocabParallel):
+            raise ValueError(
+                f"vocab_parallel must be a logitless.VocabParallel or None, got "
+                f"{type(self.vocab_parallel).__name__}"
+            )
+        _check_backend_name(self.backend)
+
+    def replace(self, **changes: object) -> HeadOptions:
+        """A copy with ``changes`` (checked again); None values are left out, so a per-call
+        ``temperature=None`` keeps the stored one."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
+
+    def describe(self) -> str:
+        """``name=value`` pairs for a module's ``extra_repr`` (options left at None omitted)."""
+        shown = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            text = f"tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            shown.append(f"{f.name}={text}")
+        return ", ".join(shown)
+
+
+@dataclass(frozen=True)
+class SamplerOptions:
+    """The rollout sampler's kept sets, for sampling replay (the same names and meanings as the
+    keyword arguments of :func:`~logitless.linear_logprobs`); all None: no replay.
+
+    sampling_mask: the engine's kept ids (a :class:`~logitless.SamplingMask`, or padded
+        ``[*labels.shape, K]`` ids), or None.
+    top_k, top_p, min_p: the sampler's parameters (a number, or a per-token tensor), replayed on
+        the trainer's logits; not together with ``sampling_mask``.
+    with_kept_mass: also report ``log_kept_mass``.
+    """
+
+    sampling_mask: SamplingMask | torch.Tensor | None = None
+    top_k: int | torch.Tensor | None = None
+    top_p: float | torch.Tensor | None = None
+    min_p: float | torch.Tensor | None = None
+    with_kept_mass: bool = False
+
+    def __post_init__(self) -> None:
+        check_flag("with_kept_mass", self.with_kept_mass)
+        given = [k for k in ("top_k", "top_p", "min_p") if getattr(self, k) is not None]
+        if self.sampling_mask is not None and given:
+            raise ValueError(
+                f"give sampling_mask or the sampler's parameters ({', '.join(given)}), not "
+                "both: a mask is the kept set itself; top_k / top_p / min_p replay the sampler "
+                "to find it"
+            )
+        k, p, mp = self.top_k, self.top_p, self.min_p
+        if k is not None and not isinstance(k, torch.Tensor):
+            if isinstance(k, bool) or not isinstance(k, int):
+                raise ValueError(f"top_k must be an int or an integer tensor, got {k!r}")
+            if k < 1:
+                raise ValueError(
+                    f"top_k must be >= 1 (use a value >= the vocabulary size for no top-k), got {k}"
+                )
+        if _scalar(p) and (not _number(p) or not 0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1: no top-p), got {p!r}")
+        if _scalar(mp) and (not _number(mp) or not 0 <= mp < 1):
+            raise ValueError(f"min_p must be in [0, 1) (0: no min-p), got {mp!r}")
+
+    @property
+    def replaying(self) -> bool:
+        """Whether a kept set is given (a mask) or replayed (a sampler parameter)."""
+        return any(v is not None for v in (self.sampling_mask, self.top_k, self.top_p, self.min_p))
+
+    def for_call(
+        self,
+        sampling_mask: SamplingMask | torch.Tensor | None = None,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
+    ) -> SamplerOptions:
+        """The options of one call of a module that stores these: a per-call
+        ``sampling_mask`` replaces the stored parameters, a per-call ``top_k`` / ``top_p`` /
+        ``min_p`` overrides its own; ``with_kept_mass`` applies when the call replays."""
+        if sampling_mask is not None:
+            return SamplerOptions(sampling_mask=sampling_mask, with_kept_mass=self.with_kept_mass)
+        out = SamplerOptions(
+            top_k=self.top_k if top_k is None else top_k,
+            top_p=self.top_p if top_p is None else top_p,
+            min_p=self.min_p if min_p is None else min_p,
+        )
+        return dataclasses.replace(out, with_kept_mass=self.with_kept_mass and out.replaying)
+
+    def describe(self) -> str:
+        """``, name=value`` pairs of the settings that are set, for ``extra_repr``."""
+        out = ""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or value is False:
+                continue
+            shown = f"tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            out += f", {f.name}={shown}"
+        return out
+
+
+def _scalar(v: object) -> bool:
+    """Given, and not a tensor (tensors are checked with the call's tensors)."""
+    return v is not None and not isinstance(v, torch.Tensor)
+
+
+def _number(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)

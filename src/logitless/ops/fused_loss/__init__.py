@@ -1,0 +1,1 @@
+"""See :mod:`logitless.ops`."""

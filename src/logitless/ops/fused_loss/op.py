@@ -1,0 +1,278 @@
+"""LM head + policy loss in one pass: the parameter gradients are computed in the forward pass.
+
+This is the one module where the head and the losses meet. The composed path
+``policy_loss(linear_logprobs(...).logprobs, ...)`` recomputes the logits in backward (four
+head matmuls). Here, the gradient of the loss with respect to each row's log-prob and entropy
+is taken while that row chunk's logits are still in memory, so the head costs three matmuls
+and one ``[chunk, V]`` buffer; only the gradients (dW, dh, db) live until ``backward()``.
+
+Which losses allow that is decided in one place, ``PolicyLossConfig.is_token_local``: the
+gradient for a token depends only on that token's own log-prob (PPO clip, CISPO, SAPO,
+REINFORCE, DPPO, KL, entropy bonus, every aggregation, and the mismatch corrections, whose
+weights come from old vs rollout log-probs). Sequence-level ratios (GSPO's
+``ratio_level="sequence"``, GMPO) and sequence masks on the current ratio (``ratio_seq_mask``)
+need whole-document sums before any token's gradient is known: they get a cheap no-grad pass
+first (one matmul), then the same gradient pass, so documents may span chunks freely. (The
+Triton backend always runs the statistics first, see its module.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...backends import backend_for
+from ...backends.base import RowBatch
+from ...contract.head import HeadCall, check_head_call
+from ...contract.options import Backend, HeadOptions, SamplerOptions
+from ...losses import LossNormalizer, PolicyLossConfig
+from ...losses.call import LossCall
+from ...losses.checks import check_policy_loss
+from ...parallel.vocab import VocabParallel
+from ...sampling import SamplingMask
+from ..rows import kernel_batch, kernel_options, refuse_double_backward, select_rows
+from .replay import replay_policy_loss
+from .row_loss import PolicyRowLoss, RowLoss, all_rows_grad_fn, chunk_grad_fn
+
+
+def fused_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    config: PolicyLossConfig | None = None,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
+    head_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    document_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    normalizer: LossNormalizer | None = None,
+    vocab_parallel: VocabParallel | None = None,
+    context_group: object | None = None,
+    backend: Backend = "auto",
+    sampling_mask: SamplingMask | torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    with_kept_mass: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy loss straight from hidden states, with the head's gradients taken in forward.
+
+    Returns the same ``(loss, metrics)`` as, and the same gradients for hidden, weight and
+    bias as::
+
+        out = linear_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
+                              softcap=softcap, logit_scale=logit_scale, head_dtype=head_dtype,
+                              with_entropy=config.entropy_coef != 0)
+        policy_loss(out.logprobs, old_logprobs, advantages, labels != ignore_index,
+                    config=config, document_ids=document_ids, ref_logprobs=ref_logprobs,
+                    rollout_logprobs=rollout_logprobs, entropy=out.entropy,
+                    normalizer=normalizer)
+
+    without ``[tokens, vocab]`` logits and with three head matmuls instead of four for
+    token-local losses (four for sequence-level ratios: a no-grad pass, then the gradient pass).
+
+    ``loss.backward()`` works as for any loss; scaling the loss (gradient accumulation, loss
+    scale) scales the stored gradients. The gradients are released by the first backward: a
+    second one raises ``RuntimeError``. Under ``torch.no_grad()`` only the loss and metrics are
+    computed (one head matmul) and nothing is stored.
+
+    Args:
+        hidden: ``[N, H]`` or ``[B, T, H]`` final hidden states.
+        weight: ``[V, H]`` head weight; bias ``[V]`` or None.
+        labels: ``[N]`` / ``[B, T]`` next-token ids; ``ignore_index`` marks tokens that do not
+            count (prompt, padding): they are the loss mask.
+        old_logprobs, advantages, document_ids, ref_logprobs, rollout_logprobs, normalizer,
+            config: as in :func:`logitless.policy_loss`.
+        temperature, softcap, logit_scale, head_dtype, chunk_size, backend: as in
+            :func:`logitless.linear_logprobs`; with the torch tiles ``chunk_size`` is the rows
+            whose ``[rows, V]`` logits are held at once (None: a 256 MiB fp32 budget on CPU,
+            1 GiB on accelerators). The Triton backend computes the statistics of every row
+            first (no logits kept), then the loss gradient, then the head gradients through
+            a bounded workspace: four head matmuls instead of three, in far less memory.
+        vocab_parallel: as in :func:`logitless.linear_logprobs`: ``weight``/``bias`` are this
+            rank's vocabulary shard, every rank computes the same loss from the combined
+            log-probs, its weight shard gets its gradient and the hidden gradient is summed
+            over the group (unless ``reduce_hidden_grad=False``). One ``[chunk, V/tp]`` buffer.
+        context_group: the context-parallel group when this rank holds a shard of a packed
+            stream (as in :func:`logitless.policy_loss`): per-document statistics are summed
+            over the group, the returned loss is this rank's share and the metrics are the
+            group's. A collective call; the number of collectives does not depend on the rank's
+            data or chunk count (the per-chunk gradients use precomputed document statistics).
+        sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
+            :func:`logitless.linear_logprobs`: the log-probs (and entropy) the loss sees are
+            over each row's kept set. Then the replay forward runs first, the loss gradient of
+            every row next, and the (sparse) replay backward last; the metrics gain
+            ``replay_kept_size``, ``replay_label_added`` and, with ``with_kept_mass``,
+            ``replay_log_kept_mass`` (see :mod:`logitless.ops.fused_loss.replay`).
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
+    """
+    options = HeadOptions(
+        temperature=temperature,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        head_dtype=head_dtype,
+        vocab_parallel=vocab_parallel,
+        backend=backend,
+    )
+    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
+    return fused_loss_of(
+        hidden,
+        weight,
+        labels,
+        bias,
+        options,
+        sampler,
+        old_logprobs,
+        advantages,
+        config=config,
+        document_ids=document_ids,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        normalizer=normalizer,
+        context_group=context_group,
+    )
+
+
+def fused_loss_of(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    options: HeadOptions,
+    sampler: SamplerOptions,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    **loss_inputs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`fused_policy_loss` with the head's options as objects (the module's entry);
+    ``loss_inputs``: ``config``, ``document_ids``, ``ref_logprobs``, ``rollout_logprobs``,
+    ``normalizer``, ``context_group`` as in :func:`logitless.policy_loss`."""
+    config = loss_inputs.get("config")
+    entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
+    call = check_head_call(
+        hidden, weight, labels, bias, options.replace(with_entropy=entropy), sampler
+    )
+    loss_call = check_loss_of_head(
+        call, old_logprobs=old_logprobs, advantages=advantages, **loss_inputs
+    )
+    return fused_loss_of_call(call, loss_call)
+
+
+def check_loss_of_head(
+    call: HeadCall, *, old_logprobs: torch.Tensor, advantages: torch.Tensor, **loss_inputs
+) -> LossCall:
+    """The loss contract of a fused call, checked once before any head FLOP (one collective
+    under context parallelism): the log-probs only lend their shape here, and the loss mask is
+    ``labels != ignore_index``."""
+    if len(call.batch_shape) not in (1, 2):
+        raise ValueError(
+            f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "
+            f"{list(call.batch_shape)}"
+        )
+    mask = (call.labels != call.ignore_index).reshape(call.batch_shape)
+    like = torch.zeros(call.batch_shape, device=call.labels.device)
+    config = loss_inputs.get("config")
+    with_entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
+    return check_policy_loss(
+        like, old_logprobs, advantages, mask, entropy=like if with_entropy else None, **loss_inputs
+    )
+
+
+def fused_loss_of_call(call: HeadCall, loss_call: LossCall) -> tuple[torch.Tensor, dict]:
+    """:func:`fused_policy_loss` of a checked head call and loss call (the HF integration
+    checks both before its backbone runs, then calls this)."""
+    rows = select_rows(call)
+    loss = PolicyRowLoss(loss_call, rows)
+    # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
+    batch = kernel_batch(call, rows).detached()
+    needs = (
+        rows.hidden.requires_grad,
+        call.weight.requires_grad,
+        call.bias is not None and call.bias.requires_grad,
+    )
+    if call.replay is not None:
+        value, metrics, grads = replay_policy_loss(
+            call, rows, batch, loss, needs if call.tracked else None, loss_call.group
+        )
+    elif not call.tracked:
+        return loss.evaluate(*_no_grad_pass(call, batch), reduce_metrics=True)
+    else:
+        value, metrics, grads = _fused_rows(call, rows, batch, loss, loss_call, needs)
+    if grads is not None:
+        value = _StoredGradients.apply(
+            value, _GradStore(grads), rows.hidden, call.weight, call.bias
+        )
+    return value, metrics
+
+
+def _no_grad_pass(call: HeadCall, batch: RowBatch):
+    """The valid rows' log-probs and entropy, no gradient (one head matmul)."""
+    opts = kernel_options(call, batch.hidden.shape[0])
+    with torch.no_grad():
+        stats = backend_for(opts).forward_rows(batch, opts)
+    return stats.logp, stats.entropy
+
+
+def _fused_rows(call: HeadCall, rows, batch: RowBatch, loss: RowLoss, loss_call, needs):
+    """Loss, metrics and head gradients with the gradient taken inside the head's passes."""
+    grouped = loss_call.group is not None
+    if loss_call.config.is_token_local:
+        # Each chunk's gradient comes from the loss with the other rows at any finite value
+        # (old log-probs: ratio 1); token-locality makes it exact, and the document statistics
+        # of a token-local loss do not depend on log π_θ, so the placeholder gives the right
+        # ones (summed over the context group once, here).
+        placeholder = rows.gather(loss_call.old_logprobs).detach().float()  # [M]
+        placeholder_ent = torch.zeros_like(placeholder) if call.with_entropy else None
+        stats = loss.stats(placeholder) if grouped else None
+        grad_fn = chunk_grad_fn(loss, placeholder, placeholder_ent, stats)
+    else:
+        # Sequence-level statistics need every row: a no-grad pass gives the exact log-probs,
+        # and one evaluation of the loss gives every row's gradient.
+        prefill, prefill_ent = _no_grad_pass(call, batch)
+        stats = loss.stats(prefill) if grouped else None
+        grad_fn = all_rows_grad_fn(loss, prefill, prefill_ent, stats)
+    opts = kernel_options(call, batch.hidden.shape[0], fused=True)
+    logp, ent, grads = backend_for(opts).fused_rows(batch, opts, grad_fn, needs)
+    with torch.no_grad():
+        value, metrics = loss.evaluate(logp, ent, stats, reduce_metrics=True)
+    return value, metrics, grads
+
+
+class _GradStore:
+    """Gradients computed in forward, handed to autograd once by the first backward."""
+
+    def __init__(self, grads: tuple) -> None:
+        self.grads: tuple | None = grads
+
+
+class _StoredGradients(torch.autograd.Function):
+    """Returns the loss value; its backward returns the stored gradients × the upstream scale."""
+
+    @staticmethod
+    def forward(ctx, loss, store: _GradStore, hidden, weight, bias):
+        ctx.store = store
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        refuse_double_backward("fused_policy_loss")
+        grads, ctx.store.grads = ctx.store.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "fused_policy_loss: backward was already called on this loss. Its gradients "
+                "are computed in the forward pass and released by the first backward; compute "
+                "the loss again to backpropagate again."
+            )
+        dh, dw, db = (None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        return None, None, dh, dw, db

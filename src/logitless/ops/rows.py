@@ -1,0 +1,108 @@
+"""What every op does first: gather the valid rows of a checked call, and cut its work.
+
+:func:`select_rows` drops the rows whose label is ``ignore_index`` before any FLOP;
+:func:`kernel_batch` and :func:`kernel_options` hand those rows and the call's options to a
+backend (:mod:`logitless.backends`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..backends.base import KernelOptions, RowBatch, Schedule
+from ..contract.head import HeadCall
+
+
+class Rows(NamedTuple):
+    """The valid rows of a head call (label != ignore_index), ready for the kernels.
+
+    hidden: [M, H] (a differentiable gather of the caller's rows); labels: [M] int64 (global
+    ids); temperature: [M] or None (scalar temperature); index: [M] row ids into the flattened
+    batch, or None when every row is valid; num_tokens / batch_shape: the caller's layout.
+    """
+
+    hidden: torch.Tensor
+    labels: torch.Tensor
+    temperature: torch.Tensor | None
+    index: torch.Tensor | None
+    num_tokens: int
+    batch_shape: torch.Size
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor of the caller's ``labels.shape`` -> its [M] valid rows."""
+        flat = values.reshape(-1)
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[M] per-row values (any dtype) -> the caller's ``labels.shape``, zero at ignored rows."""
+        if self.index is not None:
+            values = values.new_zeros(self.num_tokens).index_copy(0, self.index, values)
+        return values.reshape(self.batch_shape)
+
+
+def select_rows(call: HeadCall) -> Rows:
+    """Drop ignored rows before any FLOP; no copy when every row is valid.
+
+    The number of valid rows was read on the host by the checks (``call.num_valid``), so the
+    index is built without another host synchronization.
+    """
+    n = call.labels.numel()
+    hidden, labels, temp = call.hidden, call.labels, call.temperature
+    idx = None
+    if call.num_valid < n:
+        valid = labels != call.ignore_index
+        # Positions of the valid rows in order, without nonzero()'s host sync: each valid row
+        # writes its own index to its rank among the valid rows; ignored rows go to a spare slot.
+        slot = torch.where(valid, valid.cumsum(0) - 1, call.num_valid)
+        arange = torch.arange(n, device=labels.device)
+        idx = arange.new_empty(call.num_valid + 1).scatter_(0, slot, arange)[: call.num_valid]
+        hidden = hidden.index_select(0, idx)
+        labels = labels.index_select(0, idx)
+        temp = None if temp is None else temp.index_select(0, idx)
+    return Rows(hidden, labels, temp, idx, n, call.batch_shape)
+
+
+def kernel_batch(call: HeadCall, rows: Rows) -> RowBatch:
+    """The rows as the kernels take them: labels shard-local under vocab parallelism (out of
+    ``[0, V_local)`` for labels another rank owns; the kernels mask those)."""
+    vp = call.vocab_parallel
+    labels = rows.labels if vp is None or vp.vocab_start == 0 else rows.labels - vp.vocab_start
+    return RowBatch(rows.hidden, call.weight, call.bias, labels, rows.temperature)
+
+
+def kernel_options(
+    call: HeadCall, num_rows: int, *, fused: bool = False, with_entropy: bool | None = None
+) -> KernelOptions:
+    """The kernels' options of a checked call over ``num_rows`` rows.
+
+    ``fused``: the gradient-in-forward path, whose torch row chunk keeps all V logits. Under
+    vocab parallelism the torch schedule is sized by the largest shard, so every rank cuts the
+    same row chunks (each one is a collective). ``with_entropy``: overrides the call's.
+    """
+    vp = call.vocab_parallel
+    vocab = call.weight.shape[0] if vp is None else vp.max_shard
+    choose = Schedule.choose_fused if fused else Schedule.choose
+    return KernelOptions(
+        transform=call.transform,
+        with_entropy=call.with_entropy if with_entropy is None else with_entropy,
+        head_dtype=call.head_dtype,
+        schedule=choose(num_rows, vocab, call.weight.device, call.chunk_size),
+        vocab_parallel=vp,
+        backend=call.backend,
+        chunk_size=call.chunk_size,
+    )
+
+
+def refuse_double_backward(op: str) -> None:
+    """The kernels compute first-order gradients outside autograd: a backward that runs with
+    ``create_graph=True`` (grad mode on) would return gradients without a graph, i.e. a silently
+    zero second derivative. Refuse instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op} is first-order: its backward ran with create_graph=True (a gradient penalty "
+            "or a Hessian-vector product through the head), and it computes no second "
+            "derivatives. Use logitless.reference for such terms, or differentiate without "
+            "create_graph=True."
+        )
