@@ -18,8 +18,8 @@ from ...backends import backend_for
 from ...backends.base import KernelOptions, RowBatch
 from ...contract.replay import ReplayArgs
 from ...parallel.vocab import VocabParallel
-from .kept import Entries, entry_logits, kept_stats
 from . import topk_stream
+from .kept import Entries, entry_logits, kept_stats
 from .topk_stream import kept_from_candidates, stream_candidates
 
 
