@@ -911,9 +911,10 @@ def seeds_summary(results: Sequence[DemoResult]) -> list[str]:
         mean, std = _mean_std(values)
         runs = [r for r in results if r.config.mode == mode]
         run_s = sum(r.run_seconds for r in runs) / len(runs)
+        timed = f"  run time {run_s:.0f} s per seed" if run_s > 0 else ""  # 0: read from a CSV
         lines.append(
             f"  {mode:<{width}}  {mean:.3f} ± {std:.3f}  [{', '.join(f'{v:.2f}' for v in values)}]"
-            f"  run time {run_s:.0f} s per seed"
+            f"{timed}"
         )
     modes = list(finals)
     if len(modes) == 2 and len(seeds) > 1:  # paired by seed: same init, warm-up data, prompts
