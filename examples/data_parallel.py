@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import tempfile
 
@@ -81,6 +82,11 @@ def main(rank: int, world: int, init_file: str) -> None:
         if rank == 0:
             print(f"data parallel over {world} ranks: gradients = one process (whole step)")
     finally:
+        # Free what holds gloo work (FSDP2's and DDP's state, in reference cycles) while every
+        # rank is alive, then leave together: destroying the group under live work aborts a
+        # rank at exit now and then ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ markers are the README's FSDP2 recipe (tests/test_docs.py checks that they match
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import tempfile
 
@@ -86,6 +87,11 @@ def main(rank: int, world: int, init_file: str) -> None:
         if rank == 0:
             print(f"FSDP2 over {world} ranks: loss {ref.item():.6f}, gradients = one process")
     finally:
+        # Free what holds gloo work (FSDP2's and DDP's state, in reference cycles) while every
+        # rank is alive, then leave together: destroying the group under live work aborts a
+        # rank at exit now and then ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

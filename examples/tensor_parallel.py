@@ -10,6 +10,7 @@ README's tensor-parallel recipe (tests/test_docs.py checks that they match).
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
@@ -57,6 +58,11 @@ def main(rank: int, world: int, init_file: str) -> None:
         if rank == 0:
             print(f"tensor parallel over {world} ranks: loss {loss.item():.6f} = one process")
     finally:
+        # Free what holds gloo work (FSDP2's and DDP's state, in reference cycles) while every
+        # rank is alive, then leave together: destroying the group under live work aborts a
+        # rank at exit now and then ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
