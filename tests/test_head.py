@@ -33,11 +33,15 @@ DTYPES = {
 # --------------------------------------------------------------------------------------------
 
 
-def truth_logprobs(hidden, weight, labels, bias, temperature, softcap, ignore_index):
+def truth_logprobs(
+    hidden, weight, labels, bias, temperature, softcap, ignore_index, logit_scale=None
+):
     """float64 log-prob of each label and entropy of each row; 0.0 at ignored rows. [...]"""
     logits = hidden.double() @ weight.double().t()  # [..., V]
     if bias is not None:
         logits = logits + bias.double()
+    if logit_scale is not None:
+        logits = logits * logit_scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     if isinstance(temperature, torch.Tensor):
@@ -67,6 +71,7 @@ class Case:
     bias: bool = False
     temperature: str = "one"  # one | scalar | tensor | tensor_b1 (3-D, [B, 1]) | tensor0d
     softcap: float | None = None
+    logit_scale: float | None = None
     ignore: str = "some"  # none | some | all
     ignore_index: int = -100
     chunk: object = None  # None | int | "N" | "N+5"
@@ -83,6 +88,7 @@ class Case:
         parts += ["bias"] if self.bias else []
         parts += [f"T-{self.temperature}"] if self.temperature != "one" else []
         parts += [f"cap{self.softcap}"] if self.softcap is not None else []
+        parts += [f"scale{self.logit_scale}"] if self.logit_scale is not None else []
         parts += [f"ign-{self.ignore}", f"chunk-{self.chunk}"]
         parts += ["ent" if self.with_entropy else "noent", f"loss-{self.loss}"]
         parts += [f"frozen-{self.frozen}"] if self.frozen != "none" else []
@@ -111,6 +117,10 @@ CASES = [
     Case(softcap=2.0),
     Case(softcap=3.0, temperature="scalar", chunk=1),
     Case(temperature="tensor0d", chunk="N+5"),
+    # a logit scale (Cohere: x s, Granite: / s), alone and before softcap and temperature
+    Case(logit_scale=0.37, bias=True),
+    Case(logit_scale=2.5, softcap=3.0, temperature="tensor", chunk=7, bias=True),
+    Case(logit_scale=0.5, loss="ent", small_tiles=True, chunk=7),
     # which outputs are used
     Case(with_entropy=False, loss="logp"),
     Case(with_entropy=False, loss="logp", chunk=7, bias=True, softcap=4.0),
@@ -135,6 +145,7 @@ CASES = [
     _BF16,
     replace(_BF16, chunk=7, bias=True, temperature="tensor"),
     replace(_BF16, softcap=3.0, chunk=1, loss="logp"),
+    replace(_BF16, logit_scale=1.7, softcap=3.0, chunk=7, bias=True, temperature="tensor"),
     replace(_BF16, shape=(2, 19), chunk="N+5", with_entropy=False, loss="logp"),
     replace(_BF16, frozen="weight", chunk=7),
     # fp16
@@ -236,6 +247,7 @@ def run_case(fn, case: Case, inp: dict, *, as_float64: bool = False) -> dict:
             inp["temperature"],
             case.softcap,
             case.ignore_index,
+            case.logit_scale,
         )
         if not case.with_entropy:
             ent = None
@@ -247,6 +259,7 @@ def run_case(fn, case: Case, inp: dict, *, as_float64: bool = False) -> dict:
             bias=leaves["bias"],
             temperature=inp["temperature"],
             softcap=case.softcap,
+            logit_scale=case.logit_scale,
             with_entropy=case.with_entropy,
             ignore_index=case.ignore_index,
             chunk_size=inp["chunk"],

@@ -70,6 +70,7 @@ def _config(name: str):
         "olmo2": lambda: t.Olmo2Config(**small),
         "cohere": lambda: t.CohereConfig(**small, logit_scale=0.5),
         "granite": lambda: t.GraniteConfig(**small, logits_scaling=2.5),
+        "cohere2": lambda: t.Cohere2Config(**small, logit_scale=0.5),
     }[name]()
 
 
@@ -86,6 +87,7 @@ ALL_MODELS = {
     "olmo2": "Olmo2ForCausalLM",
     "cohere": "CohereForCausalLM",
     "granite": "GraniteForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 # the full matrix (dtypes x layouts x losses) runs on these
 MAIN_MODELS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]

@@ -35,6 +35,7 @@ class Case:
     entropy: bool = True
     temperature: str = "scalar"  # "scalar" | "tensor"
     softcap: float | None = None
+    logit_scale: float | None = None
     ignored: float = 0.3
     chunk_size: int | None = None
     reduce_hidden_grad: bool = True
@@ -59,6 +60,7 @@ HEAD_CASES = [
     Case("bf16 weights, fp32 head", dtype=torch.bfloat16, head_dtype=torch.float32, seed=4),
     Case("hidden grad left to caller", reduce_hidden_grad=False, seed=5),
     Case("all ignored", ignored=1.0, seed=6),
+    Case("logit scale softcap", logit_scale=0.6, softcap=3.0, temperature="tensor", seed=13),
 ]
 LOSS_CASES = [
     Case(
@@ -81,6 +83,12 @@ LOSS_CASES = [
         entropy=False,
         seed=9,
     ),
+    Case(
+        "fused dapo logit scale",
+        loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28, entropy_coef=0.01),
+        logit_scale=1.8,
+        seed=14,
+    ),
 ]
 
 
@@ -99,6 +107,7 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
             backend="triton",
             seed=11,
         ),
+        Case("triton logit scale", logit_scale=0.6, backend="triton", seed=15),
     ]
     LOSS_CASES += [
         Case(
@@ -159,6 +168,7 @@ def _run(case: Case, d: dict, dtype: torch.dtype, weight_rows=slice(None), vp=No
     temp = temp.float() if isinstance(temp, torch.Tensor) and dtype != torch.float64 else temp
     head_dtype = case.head_dtype if dtype != torch.float64 else None
     kw = dict(bias=bias, temperature=temp, softcap=case.softcap, head_dtype=head_dtype)
+    kw["logit_scale"] = case.logit_scale
     kw["backend"] = case.backend if dtype != torch.float64 else "torch"
     if vp is not None:
         kw["vocab_parallel"] = vp
@@ -211,6 +221,7 @@ def _reference(case: Case, d: dict, dtype: torch.dtype):
         bias=bias,
         temperature=temp,
         softcap=case.softcap,
+        logit_scale=case.logit_scale,
         with_entropy=with_entropy,
         head_dtype=head_dtype,
     )

@@ -104,7 +104,7 @@ def _granite_scale(model: nn.Module) -> tuple[float | None, float]:
 
 
 # Class name -> what its forward applies after ``lm_head``. Each entry's forward (transformers
-# 5.23) is ``hidden = self.model(...).last_hidden_state; logits = self.lm_head(hidden)`` plus
+# 5.23; Cohere2: 5.24) is ``hidden = self.model(...).last_hidden_state; logits = self.lm_head(hidden)`` plus
 # the transform named here, and tests/test_hf.py checks each against ``model(...).logits``.
 _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "LlamaForCausalLM": _no_transform,
@@ -117,6 +117,7 @@ _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "Phi3ForCausalLM": _no_transform,
     "Olmo2ForCausalLM": _no_transform,
     "CohereForCausalLM": _cohere_scale,
+    "Cohere2ForCausalLM": _cohere_scale,
     "GraniteForCausalLM": _granite_scale,
 }
 
