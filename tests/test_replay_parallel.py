@@ -22,8 +22,8 @@ from test_replay import Case, _inputs, _logits64, _replay_kwargs, truth_masked
 
 import logitless
 from logitless import PolicyLossConfig, VocabParallel, reference
+from logitless.parallel import even_vocab_range
 from logitless.parallel.context import context_parallel_split
-from logitless.parallel.vocab import even_vocab_range
 
 V = 257
 

@@ -25,8 +25,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from .contract.collectives import check_group, comm_device, sum_or_raise
 from .losses.normalizer import LossNormalizer, loss_normalizer
-from .parallel.collectives import check_group, comm_device, sum_or_raise
 
 __all__ = ["AccumulatedStep", "StepAccumulator"]
 

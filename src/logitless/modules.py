@@ -29,17 +29,17 @@ another), so the embedding lookup would get no unshard hook.
 from __future__ import annotations
 
 import weakref
+from typing import Unpack
 
 import torch
 from torch import nn
 
 from .contract.checks import check_full_precision, is_dtensor
-from .contract.options import Backend, HeadOptions, SamplerOptions
+from .contract.options import HeadKwargs, HeadOptions, SamplerOptions, stored_options
 from .losses import LossNormalizer, PolicyLossConfig
 from .losses.checks import check_config
 from .ops.fused_loss.op import fused_loss_of
 from .ops.logprobs.op import logprobs_of
-from .parallel.vocab import VocabParallel
 from .sampling import SamplingMask
 from .types import LogProbs
 
@@ -58,38 +58,9 @@ class LinearLogprobs(nn.Module):
     overrides its own.
     """
 
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        softcap: float | None = None,
-        logit_scale: float | None = None,
-        with_entropy: bool = False,
-        ignore_index: int = -100,
-        chunk_size: int | None = None,
-        head_dtype: torch.dtype | None = None,
-        vocab_parallel: VocabParallel | None = None,
-        backend: Backend = "auto",
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        with_kept_mass: bool = False,
-    ) -> None:
+    def __init__(self, **options: Unpack[HeadKwargs]) -> None:
         super().__init__()
-        self.options = HeadOptions(
-            temperature=temperature,
-            softcap=softcap,
-            logit_scale=logit_scale,
-            with_entropy=with_entropy,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            head_dtype=head_dtype,
-            vocab_parallel=vocab_parallel,
-            backend=backend,
-        )
-        self.sampler = SamplerOptions(
-            top_k=top_k, top_p=top_p, min_p=min_p, with_kept_mass=with_kept_mass
-        )
+        self.options, self.sampler = stored_options(type(self).__name__, options)
 
     def forward(
         self,
@@ -292,39 +263,9 @@ class LogprobHead(_SharedHeadWeight):
         torch.Size([100, 16])
     """
 
-    def __init__(
-        self,
-        source: nn.Module,
-        *,
-        temperature: float = 1.0,
-        softcap: float | None = None,
-        logit_scale: float | None = None,
-        with_entropy: bool = False,
-        ignore_index: int = -100,
-        chunk_size: int | None = None,
-        head_dtype: torch.dtype | None = None,
-        vocab_parallel: VocabParallel | None = None,
-        backend: Backend = "auto",
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        with_kept_mass: bool = False,
-    ) -> None:
+    def __init__(self, source: nn.Module, **options: Unpack[HeadKwargs]) -> None:
         super().__init__(source)
-        self.options = HeadOptions(
-            temperature=temperature,
-            softcap=softcap,
-            logit_scale=logit_scale,
-            with_entropy=with_entropy,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            head_dtype=head_dtype,
-            vocab_parallel=vocab_parallel,
-            backend=backend,
-        )
-        self.sampler = SamplerOptions(
-            top_k=top_k, top_p=top_p, min_p=min_p, with_kept_mass=with_kept_mass
-        )
+        self.options, self.sampler = stored_options(type(self).__name__, options)
 
     def forward(
         self,
@@ -424,38 +365,20 @@ class PolicyLossHead(_SharedHeadWeight):
         source: nn.Module,
         *,
         config: PolicyLossConfig | None = None,
-        temperature: float = 1.0,
-        softcap: float | None = None,
-        logit_scale: float | None = None,
-        head_dtype: torch.dtype | None = None,
-        chunk_size: int | None = None,
-        ignore_index: int = -100,
-        vocab_parallel: VocabParallel | None = None,
-        backend: Backend = "auto",
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        with_kept_mass: bool = False,
+        **options: Unpack[HeadKwargs],
     ) -> None:
         try:
             check_config(config)
         except ValueError as e:
             raise ValueError(f"PolicyLossHead: {e}") from None
+        if "with_entropy" in options:
+            raise TypeError(
+                "PolicyLossHead() takes no with_entropy: the entropy is computed when "
+                "config.entropy_coef != 0"
+            )
         super().__init__(source)
         self.config = config
-        self.options = HeadOptions(
-            temperature=temperature,
-            softcap=softcap,
-            logit_scale=logit_scale,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            head_dtype=head_dtype,
-            vocab_parallel=vocab_parallel,
-            backend=backend,
-        )
-        self.sampler = SamplerOptions(
-            top_k=top_k, top_p=top_p, min_p=min_p, with_kept_mass=with_kept_mass
-        )
+        self.options, self.sampler = stored_options(type(self).__name__, options)
 
     def forward(
         self,

@@ -60,18 +60,9 @@ def linear_logprobs(
     ``-inf`` before the log-softmax (a masked log-softmax; :func:`kept_set` builds ``K`` as a
     ``[N, V]`` mask from the full logits), and the result is a ``ReplayLogProbs``.
     """
-    options = HeadOptions(
-        temperature=temperature,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        with_entropy=with_entropy,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        head_dtype=head_dtype,
-        backend="torch",
-    )
-    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
-    call = check_head_call(hidden, weight, labels, bias, options, sampler)
+    given = locals()
+    options = HeadOptions.pick(given).replace(backend="torch")
+    call = check_head_call(hidden, weight, labels, bias, options, SamplerOptions.pick(given))
     logits = full_logits(call)  # [N, V]
     if call.replay is not None:
         return masked_logprobs(call, logits)

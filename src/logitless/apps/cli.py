@@ -7,12 +7,13 @@ new ones (``demo``, ...) slot in beside ``bench``.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from .version import package_version
 
 DEFAULT_CSV = Path("bench-results/bench.csv")
 
@@ -427,19 +428,6 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_bench_parser,
     add_demo_parser,
 )
-
-
-def package_version() -> str:
-    """The installed logitless version: package metadata, else ``logitless.__version__``.
-
-    The metadata is read without importing logitless (and so torch): ``--version`` is instant.
-    """
-    try:
-        return importlib.metadata.version("logitless")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        import logitless
-
-        return str(getattr(logitless, "__version__", "unknown"))
 
 
 def build_parser() -> argparse.ArgumentParser:

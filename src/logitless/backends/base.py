@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..parallel.vocab import VocabParallel
+from ..contract.vocab import VocabParallel
 from ..transform import LogitTransform, compute_dtype
 
 
@@ -148,6 +148,14 @@ class RowStats(NamedTuple):
     kept: torch.Tensor | None = None
 
 
+class Upstream(NamedTuple):
+    """The upstream gradients of a backward: d loss / d logp and d loss / d entropy, each
+    ``[M]`` or None (that output unused)."""
+
+    logp: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+
 #: ``(r0, r1, logp [r1 - r0], entropy or None) -> (d loss / d logp, d loss / d entropy or
 #: None)`` of rows ``[r0, r1)``: the loss's per-row gradient, for the fused rows.
 GradFn = Callable[
@@ -168,13 +176,7 @@ class KernelBackend(Protocol):
     ) -> RowStats: ...
 
     def backward_rows(
-        self,
-        rows: RowBatch,
-        stats: RowStats,
-        grad_logp: torch.Tensor | None,
-        grad_ent: torch.Tensor | None,
-        opts: KernelOptions,
-        needs: Needs,
+        self, rows: RowBatch, stats: RowStats, up: Upstream, opts: KernelOptions, needs: Needs
     ) -> HeadGrads: ...
 
     def fused_rows(

@@ -24,8 +24,17 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel.vocab import VocabParallel
-from .base import GradFn, HeadGrads, KernelOptions, Needs, RowBatch, RowStats, finish_stats
+from ..contract.vocab import VocabParallel
+from .base import (
+    GradFn,
+    HeadGrads,
+    KernelOptions,
+    Needs,
+    RowBatch,
+    RowStats,
+    Upstream,
+    finish_stats,
+)
 
 
 def project(
@@ -284,18 +293,14 @@ class _GradAccumulator:
 
 
 def backward_rows(
-    rows: RowBatch,
-    stats: RowStats,
-    grad_logp: torch.Tensor | None,
-    grad_ent: torch.Tensor | None,
-    opts: KernelOptions,
-    needs: Needs,
+    rows: RowBatch, stats: RowStats, up: Upstream, opts: KernelOptions, needs: Needs
 ) -> HeadGrads:
     """Gradients for hidden [M, H], weight [V, H] and bias [V], in those tensors' dtypes.
 
     stats: the forward's (lse, entropy, and its single tile if kept: consumed, overwritten
-    here); grad_logp / grad_ent: [M] upstream gradients (None when that output is unused).
+    here); up: the [M] upstream gradients (None where that output is unused).
     """
+    grad_logp, grad_ent = up
     hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device

@@ -42,7 +42,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import GradFn, HeadGrads, KernelOptions, Needs, RowBatch, RowStats, finish_stats
+from .base import (
+    GradFn,
+    HeadGrads,
+    KernelOptions,
+    Needs,
+    RowBatch,
+    RowStats,
+    Upstream,
+    finish_stats,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -473,7 +482,7 @@ def _row_passes(num_rows: int, opts: KernelOptions) -> list[tuple[int, int]]:
     return [(r, min(r + step, num_rows)) for r in range(0, num_rows, step)]
 
 
-def _stats_pass(call: _Call, r0: int, r1: int, with_entropy: bool, vocab_parallel):
+def _stats_pass(call: _Call, r0: int, r1: int, opts: KernelOptions):
     """logp, lse, entropy (or None) of rows [r0, r1): one kernel launch and the merge."""
     rows, vocab, dim = r1 - r0, call.weight.shape[0], call.weight.shape[1]
     splits = _num_splits(rows, vocab, call.hidden.device)
@@ -493,11 +502,11 @@ def _stats_pass(call: _Call, r0: int, r1: int, with_entropy: bool, vocab_paralle
         call.inv_temp,
         call.scale,
         call.softcap,
-        WITH_ENTROPY=with_entropy,
+        WITH_ENTROPY=opts.with_entropy,
         **call.meta,
     )
     m, s, q, zy = _merge_splits(stats)
-    return finish_stats(m, s, q if with_entropy else None, zy, vocab_parallel)
+    return finish_stats(m, s, q if opts.with_entropy else None, zy, opts.vocab_parallel)
 
 
 def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -> RowStats:
@@ -514,7 +523,7 @@ def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -
     ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
     call = _Call(rows, opts)
     for r0, r1 in _row_passes(num_rows, opts):
-        lp, ls, en = _stats_pass(call, r0, r1, opts.with_entropy, opts.vocab_parallel)
+        lp, ls, en = _stats_pass(call, r0, r1, opts)
         logp[r0:r1], lse[r0:r1] = lp, ls
         if ent is not None:
             ent[r0:r1] = en
@@ -553,19 +562,49 @@ def _vocab_chunk(rows: int, vocab: int, itemsize: int) -> int:
     return min(vocab, cols)
 
 
+def _dz_chunk(call: _Call, r0: int, r1: int, v0: int, dz, lse, ent, g, e) -> None:
+    """Write d loss / d raw logits of rows [r0, r1) and columns [v0, v0 + width) into ``dz``
+    [rows, width] (one launch). lse, g: [M] fp32 (g None: no log-prob gradient); ent / e:
+    [M] fp32 or None (no entropy gradient)."""
+    rows, width = dz.shape
+    vocab, dim = call.weight.shape
+    placeholder = lse  # any fp32 tensor; never read when its flag is off
+    use_e = ent is not None
+    _launch(
+        "dz",
+        rows * width,
+        lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
+        *call.tensors(r0, r1),
+        lse[r0:r1],
+        ent[r0:r1] if use_e else placeholder,
+        g[r0:r1] if g is not None else placeholder,
+        e[r0:r1] if use_e else placeholder,
+        dz,
+        rows,
+        vocab,
+        dim,
+        call.hidden.stride(0),
+        call.weight.stride(0),
+        v0,
+        width,
+        call.inv_temp,
+        call.scale,
+        call.softcap,
+        HAS_G=g is not None,
+        HAS_E=use_e,
+        **call.meta,
+    )
+
+
 def backward_rows(
-    rows: RowBatch,
-    stats: RowStats,
-    grad_logp: torch.Tensor | None,
-    grad_ent: torch.Tensor | None,
-    opts: KernelOptions,
-    needs: Needs,
+    rows: RowBatch, stats: RowStats, up: Upstream, opts: KernelOptions, needs: Needs
 ) -> HeadGrads:
     """Gradients for hidden [M, H], weight [V, H] and bias [V], in those tensors' dtypes.
 
-    stats: the forward's lse and entropy; grad_logp / grad_ent: [M] upstream gradients (None
+    stats: the forward's lse and entropy; up: the [M] upstream gradients (None
     when that output is unused); needs: which of (hidden, weight, bias) want a gradient.
     """
+    grad_logp, grad_ent = up
     hidden, weight, bias = rows.hidden, rows.weight, rows.bias
     num_rows, dim = hidden.shape
     vocab = weight.shape[0]
@@ -600,36 +639,10 @@ def backward_rows(
         h_rows = h_all[r0:r1]
         # The hidden gradient of these rows sums over vocab chunks: in fp32.
         dh_acc = torch.zeros(rows, dim, device=dev) if need_h else None
-        placeholder = lse  # any fp32 tensor; never read when its flag is off
         for v0 in range(0, vocab, vc):
             width = min(vc, vocab - v0)
             dz = workspace[: rows * width].view(rows, width)
-            _launch(
-                "dz",
-                rows * width,
-                lambda meta, rows=rows, width=width: (
-                    triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"])
-                ),
-                *call.tensors(r0, r1),
-                lse[r0:r1],
-                ent[r0:r1] if use_e else placeholder,
-                g_all[r0:r1] if g_all is not None else placeholder,
-                e_all[r0:r1] if use_e else placeholder,
-                dz,
-                rows,
-                vocab,
-                dim,
-                call.hidden.stride(0),
-                call.weight.stride(0),
-                v0,
-                width,
-                call.inv_temp,
-                call.scale,
-                call.softcap,
-                HAS_G=g_all is not None,
-                HAS_E=use_e,
-                **call.meta,
-            )
+            _dz_chunk(call, r0, r1, v0, dz, lse, ent if use_e else None, g_all, e_all)
             if db is not None:
                 db[v0 : v0 + width] += dz.sum(0, dtype=torch.float32)
             if dw is not None:
@@ -666,7 +679,7 @@ def fused_rows(
     g, e = grad_fn(0, rows.hidden.shape[0], stats.logp, stats.entropy)
     if e is not None and stats.entropy is None:
         raise ValueError("grad_fn returned an entropy gradient but with_entropy is False")
-    return stats.logp, stats.entropy, backward_rows(rows, stats, g, e, opts, needs)
+    return stats.logp, stats.entropy, backward_rows(rows, stats, Upstream(g, e), opts, needs)
 
 
 __all__ = ["backward_rows", "forward_rows", "fused_rows"]

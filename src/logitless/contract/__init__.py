@@ -6,12 +6,13 @@
   option, resolved), built by :func:`check_head_call`, the one check of a head call.
 - :mod:`.replay`: :class:`ReplayArgs`, the checked sampler of a call (sampling replay).
 - :mod:`.backend`: the backend registry and the rule that picks one.
-- :mod:`.checks`: the argument-check primitives (each rule once); :mod:`.agree`: the one
-  "check, then agree across ranks" rule of collective calls.
+- :mod:`.sampling`: :class:`SamplingMask`, the engine's kept sets (public as
+  ``logitless.SamplingMask``); :mod:`.vocab`: :class:`VocabParallel`, which rows of the
+  vocabulary a rank's head holds (public as ``logitless.VocabParallel``).
+- :mod:`.checks`: the argument-check primitives (each rule once); :mod:`.collectives`: the one
+  "fail together" protocol of collective calls, with ``check_then_agree``.
 
-Kernels import the types of this layer, never its checks; this layer imports nothing above it
-(only :mod:`logitless.parallel`'s ``VocabParallel`` type, :mod:`logitless.sampling` and
-:mod:`logitless.transform`). Import from the submodules: this face imports none of them, so
-the bottom modules (:mod:`logitless.sampling`, :mod:`logitless.parallel`) can use
-:mod:`.checks` without a cycle.
+Kernels import the types of this layer, never its checks; this layer imports nothing of
+logitless but :mod:`logitless.transform` (torch only). Import from the submodules: this face
+imports none of them.
 """

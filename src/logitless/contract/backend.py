@@ -41,14 +41,14 @@ class BackendSpec:
     auto: Callable[[torch.device, torch.dtype], bool]
 
 
-def _torch_refuses(device: torch.device, head_dtype: torch.dtype) -> str | None:
+def _torch_refuses(device: torch.device, dtype: torch.dtype) -> str | None:
     return None  # any device, any floating dtype
 
 
-def _triton_refuses(device: torch.device, head_dtype: torch.dtype) -> str | None:
-    if head_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+def _triton_refuses(device: torch.device, dtype: torch.dtype) -> str | None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return (
-            f"backend='triton' runs fp32, bf16 and fp16 heads; a {head_dtype} head runs on "
+            f"backend='triton' runs fp32, bf16 and fp16 heads; a {dtype} head runs on "
             "backend='torch' (or 'auto')"
         )
     if not _installed("triton"):
@@ -73,11 +73,11 @@ def _triton_refuses(device: torch.device, head_dtype: torch.dtype) -> str | None
     )
 
 
-def _triton_auto(device: torch.device, head_dtype: torch.dtype) -> bool:
+def _triton_auto(device: torch.device, dtype: torch.dtype) -> bool:
     """16-bit heads on CUDA, where it was measured faster (docs/benchmarks.md); fp32 keeps the
     torch tiles (cuBLAS SGEMM beats an IEEE ``tl.dot``)."""
-    fast = device.type == "cuda" and head_dtype in (torch.bfloat16, torch.float16)
-    return fast and _triton_refuses(device, head_dtype) is None
+    fast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return fast and _triton_refuses(device, dtype) is None
 
 
 #: The backends, in the order ``"auto"`` tries them (the torch tiles take what none takes).

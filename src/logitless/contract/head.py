@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel.vocab import VocabParallel
 from ..transform import LogitTransform, compute_dtype
-from .agree import check_then_agree
 from .backend import resolve_backend
 from .checks import INT_DTYPES, check_full_precision, fmt_shape, is_dtensor, per_position
+from .collectives import check_then_agree
 from .options import HeadOptions, SamplerOptions
 from .replay import ReplayArgs, check_sampler
+from .vocab import VocabParallel
 
 
 @dataclass(frozen=True)

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 
-from ..parallel.vocab import VocabParallel
-from ..sampling import SamplingMask
 from .checks import (
     check_flag,
     check_optional_int,
     optional_positive_float,
     positive_finite_float,
 )
+from .sampling import SamplingMask
+from .vocab import VocabParallel
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -82,6 +83,12 @@ class HeadOptions:
                 f"{type(self.vocab_parallel).__name__}"
             )
         _check_backend_name(self.backend)
+
+    @classmethod
+    def pick(cls, values: Mapping[str, object]) -> HeadOptions:
+        """The options among ``values`` (a public function's ``locals()``: its signature
+        declares them under these names), the others left at their defaults."""
+        return _pick(cls, values)
 
     def replace(self, **changes: object) -> HeadOptions:
         """A copy with ``changes`` (checked again); None values are left out, so a per-call
@@ -141,6 +148,11 @@ class SamplerOptions:
         if _scalar(mp) and (not _number(mp) or not 0 <= mp < 1):
             raise ValueError(f"min_p must be in [0, 1) (0: no min-p), got {mp!r}")
 
+    @classmethod
+    def pick(cls, values: Mapping[str, object]) -> SamplerOptions:
+        """The sampler options among ``values`` (see :meth:`HeadOptions.pick`)."""
+        return _pick(cls, values)
+
     @property
     def replaying(self) -> bool:
         """Whether a kept set is given (a mask) or replayed (a sampler parameter)."""
@@ -177,6 +189,38 @@ class SamplerOptions:
         return out
 
 
+def _pick(cls, values: Mapping[str, object]):
+    return cls(**{k: values[k] for k in _FIELD_NAMES[cls] if k in values})
+
+
+class HeadKwargs(TypedDict, total=False):
+    """The options a module form stores (:class:`HeadOptions` and the sampler's settings of
+    :class:`SamplerOptions`), as keyword arguments: its constructor's ``**options``."""
+
+    temperature: float
+    softcap: float | None
+    logit_scale: float | None
+    with_entropy: bool
+    ignore_index: int
+    chunk_size: int | None
+    head_dtype: torch.dtype | None
+    vocab_parallel: VocabParallel | None
+    backend: Backend
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    with_kept_mass: bool
+
+
+def stored_options(owner: str, options: Mapping[str, object]) -> tuple[HeadOptions, SamplerOptions]:
+    """A module's ``**options`` (:class:`HeadKwargs`) as the two option objects; an unknown
+    name raises ``TypeError`` as Python would."""
+    unknown = sorted(set(options) - set(HeadKwargs.__annotations__))
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    return HeadOptions.pick(options), SamplerOptions.pick(options)
+
+
 def _scalar(v: object) -> bool:
     """Given, and not a tensor (tensors are checked with the call's tensors)."""
     return v is not None and not isinstance(v, torch.Tensor)
@@ -184,3 +228,9 @@ def _scalar(v: object) -> bool:
 
 def _number(v: object) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)
+
+
+# Field names, read once (dataclasses.fields() inside a call would break torch.compile's trace).
+_FIELD_NAMES = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (HeadOptions, SamplerOptions)
+}

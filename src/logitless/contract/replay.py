@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingMask
 from .checks import INT_DTYPES, fmt_shape, per_position
 from .options import SamplerOptions
+from .sampling import SamplingMask
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,9 @@ def _granite_scale(model: nn.Module) -> tuple[float | None, float]:
 
 
 # Class name -> what its forward applies after ``lm_head``. Each entry's forward (transformers
-# 5.23; Cohere2: 5.24) is ``hidden = self.model(...).last_hidden_state; logits = self.lm_head(hidden)`` plus
-# the transform named here, and tests/test_hf.py checks each against ``model(...).logits``.
+# 5.23; Cohere2: 5.24) is ``hidden = self.model(...).last_hidden_state;
+# logits = self.lm_head(hidden)`` plus the transform named here, and tests/test_hf.py checks
+# each against ``model(...).logits``.
 _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "LlamaForCausalLM": _no_transform,
     "MistralForCausalLM": _no_transform,
@@ -616,19 +617,11 @@ def causal_lm_logprobs(
     (torch.Size([2, 6]), True)
     >>> out.logprobs.sum().backward()                # gradients reach every model parameter
     """
-    options = HeadOptions(
-        temperature=temperature,
-        with_entropy=with_entropy,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        head_dtype=head_dtype,
-        backend=backend,
-    )
-    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
+    given = locals()
     batch = _ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    prep = _prepare(model, batch, options, sampler, model_kwargs)
+    prep = _prepare(model, batch, HeadOptions.pick(given), SamplerOptions.pick(given), model_kwargs)
     hidden = batch.hidden_states(model, model_kwargs)
     with torch.autocast(hidden.device.type, enabled=False):
         return logprobs_of_call(with_hidden(prep.call, hidden, prep.options))
@@ -758,19 +751,13 @@ def causal_lm_policy_loss(
     ...     config=logitless.PolicyLossConfig(), response_mask=response)
     >>> loss.backward()
     """
-    options = HeadOptions(
-        temperature=temperature,
-        with_entropy=isinstance(config, PolicyLossConfig) and config.entropy_coef != 0,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        head_dtype=head_dtype,
-        backend=backend,
-    )
-    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
+    given = locals()
+    entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
+    options = HeadOptions.pick(given).replace(with_entropy=entropy)
     batch = _ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    prep = _prepare(model, batch, options, sampler, model_kwargs)
+    prep = _prepare(model, batch, options, SamplerOptions.pick(given), model_kwargs)
     call = prep.call
     document_ids = _document_ids(document_ids, attention_mask, position_ids, cu_seqlens, input_ids)
     loss_inputs = {"old_logprobs": old_logprobs, "advantages": advantages}

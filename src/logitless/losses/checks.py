@@ -9,10 +9,13 @@ agreement checks, and under context parallelism one collective.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from ..contract import collectives
 from ..contract.checks import check_full_precision, fmt_shape
-from ..parallel import collectives
+from ..contract.collectives import check_then_agree
 from ._segments import (
     Segments,
     check_document_ids,
@@ -125,37 +128,51 @@ def stats_key(config: PolicyLossConfig, logprobs: object, ids: object, rollout: 
     return collectives.signature(config, dims, rows, rollout is None)
 
 
-def _local_checks(
-    logprobs,
-    old_logprobs,
-    advantages,
-    mask,
-    config,
-    document_ids,
-    ref_logprobs,
-    rollout_logprobs,
-    entropy,
-    normalizer,
-    document_stats,
-    grouped: bool,
-    for_stats: bool,
-) -> tuple[Segments, int | None, float | None, int]:
-    """Every check that needs no collective; ``ValueError`` on bad input."""
-    config = check_config(config)
-    if not isinstance(logprobs, torch.Tensor) or not logprobs.is_floating_point():
-        raise ValueError(f"logprobs must be a floating-point tensor, got {logprobs!r}")
-    if logprobs.dim() not in (1, 2):
-        raise ValueError(f"logprobs must have shape [N] or [B, T], got {fmt_shape(logprobs)}")
-    shape = logprobs.shape
-    _check_float("old_logprobs", old_logprobs, shape)
+class _Args(NamedTuple):
+    """The arguments of one :func:`check_policy_loss` call."""
+
+    logprobs: object
+    old_logprobs: object
+    advantages: object
+    mask: object
+    config: object
+    document_ids: object
+    ref_logprobs: object
+    rollout_logprobs: object
+    entropy: object
+    normalizer: object
+    document_stats: object
+
+
+class _Local(NamedTuple):
+    """What the local checks found: the segments, the per-sequence advantage count (None:
+    per token), Dr.GRPO's length and the call's fingerprint."""
+
+    seg: Segments
+    adv_len: int | None
+    norm_length: float | None
+    key: int
+
+
+def _check_tensors(a: _Args, grouped: bool, for_stats: bool) -> torch.Size:
+    """Types, shapes, dtypes and what the config requires; returns the log-probs' shape."""
+    config = check_config(a.config)
+    lp = a.logprobs
+    if not isinstance(lp, torch.Tensor) or not lp.is_floating_point():
+        raise ValueError(f"logprobs must be a floating-point tensor, got {lp!r}")
+    if lp.dim() not in (1, 2):
+        raise ValueError(f"logprobs must have shape [N] or [B, T], got {fmt_shape(lp)}")
+    shape = lp.shape
+    _check_float("old_logprobs", a.old_logprobs, shape)
     check_full_precision(
-        old_logprobs=old_logprobs,
-        advantages=advantages,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
+        old_logprobs=a.old_logprobs,
+        advantages=a.advantages,
+        ref_logprobs=a.ref_logprobs,
+        rollout_logprobs=a.rollout_logprobs,
     )
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != shape:
-        got = fmt_shape(mask) + f" {mask.dtype}" if isinstance(mask, torch.Tensor) else repr(mask)
+    m = a.mask
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.shape != shape:
+        got = fmt_shape(m) + f" {m.dtype}" if isinstance(m, torch.Tensor) else repr(m)
         raise ValueError(f"mask must be a bool tensor of shape {list(shape)}, got {got}")
     if grouped and config.kl_importance_weight and config.ratio_level == "sequence":
         raise ValueError(
@@ -163,64 +180,54 @@ def _local_checks(
             "context_group: the gradient of a document's ratio couples the KL of tokens on "
             "other ranks"
         )
-    if not for_stats:
-        if config.kl_coef > 0 and ref_logprobs is None:
-            raise ValueError("ref_logprobs is required when config.kl_coef > 0")
-        if config.entropy_coef != 0 and entropy is None:
-            raise ValueError("entropy is required when config.entropy_coef != 0")
-    if config.uses_rollout and rollout_logprobs is None:
+    if not for_stats and config.kl_coef > 0 and a.ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when config.kl_coef > 0")
+    if not for_stats and config.entropy_coef != 0 and a.entropy is None:
+        raise ValueError("entropy is required when config.entropy_coef != 0")
+    if config.uses_rollout and a.rollout_logprobs is None:
         raise ValueError(
             "rollout_logprobs is required when a mismatch correction is on "
             "(mismatch_is / mismatch_token_mask / mismatch_seq_mask)"
         )
-    for name, t in (
-        ("ref_logprobs", ref_logprobs),
-        ("rollout_logprobs", rollout_logprobs),
-        ("entropy", entropy),
-    ):
+    optional = {"ref_logprobs": a.ref_logprobs, "rollout_logprobs": a.rollout_logprobs}
+    optional["entropy"] = a.entropy
+    for name, t in optional.items():
         if t is not None:
             _check_float(name, t, shape)
-    _check_devices(
-        logprobs,
-        old_logprobs=old_logprobs,
-        advantages=advantages,
-        mask=mask,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        entropy=entropy,
-    )
-    if document_ids is None and logprobs.dim() != 2:
+    _check_devices(lp, old_logprobs=a.old_logprobs, advantages=a.advantages, mask=m, **optional)
+    if a.document_ids is None and lp.dim() != 2:
         raise ValueError(
             f"document_ids is required for a packed [N] stream; logprobs has shape "
             f"{list(shape)} and document_ids is None"
         )
-    adv_len = _check_advantages(advantages, logprobs, document_ids is not None)
-    if normalizer is not None:
-        if not isinstance(normalizer, LossNormalizer):
-            raise ValueError(
-                f"normalizer must be a LossNormalizer or None, got {type(normalizer).__name__}"
-            )
-        check_full_precision(
-            **{
-                "normalizer.num_tokens": normalizer.num_tokens,
-                "normalizer.num_sequences": normalizer.num_sequences,
-            }
+    _check_normalizer(a.normalizer)
+    return shape
+
+
+def _check_normalizer(normalizer: object) -> None:
+    if normalizer is None:
+        return
+    if not isinstance(normalizer, LossNormalizer):
+        raise ValueError(
+            f"normalizer must be a LossNormalizer or None, got {type(normalizer).__name__}"
         )
-    seg = _read_values(
-        logprobs,
-        mask,
-        document_ids,
-        old_logprobs=old_logprobs,
-        advantages=advantages,
-        adv_len=adv_len,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        normalizer=normalizer,
+    check_full_precision(
+        **{
+            "normalizer.num_tokens": normalizer.num_tokens,
+            "normalizer.num_sequences": normalizer.num_sequences,
+        }
     )
-    key = stats_key(config, logprobs, document_ids, rollout_logprobs)
-    if document_stats is not None:
-        _check_stats(document_stats, key, seg)
-    return seg, adv_len, _norm_length(config, logprobs, grouped), key
+
+
+def _local_checks(a: _Args, grouped: bool, for_stats: bool) -> _Local:
+    """Every check that needs no collective; ``ValueError`` on bad input."""
+    _check_tensors(a, grouped, for_stats)
+    adv_len = _check_advantages(a.advantages, a.logprobs, a.document_ids is not None)
+    seg = _read_values(a, adv_len)
+    key = stats_key(a.config, a.logprobs, a.document_ids, a.rollout_logprobs)
+    if a.document_stats is not None:
+        _check_stats(a.document_stats, key, seg)
+    return _Local(seg, adv_len, _norm_length(a.config, a.logprobs, grouped), key)
 
 
 # Log-probs that are all >= 0 with some above this are probabilities passed by mistake (a real
@@ -236,18 +243,44 @@ def _check_devices(logprobs: torch.Tensor, **tensors: torch.Tensor | None) -> No
             )
 
 
-def _read_values(
-    logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    document_ids: torch.Tensor | None,
-    *,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    adv_len: int | None,
-    ref_logprobs: torch.Tensor | None,
-    rollout_logprobs: torch.Tensor | None,
-    normalizer: LossNormalizer | None,
-) -> Segments:
+def _logprob_counters(t: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
+    """[NaN or +inf at a valid token, every valid value >= 0 with some above the tolerance]:
+    two device-side counters of a log-prob tensor."""
+    flat = t.reshape(-1)
+    lowest = torch.where(valid, flat, float("inf")).amin() if flat.numel() else flat.sum()
+    highest = torch.where(valid, flat, float("-inf")).amax() if flat.numel() else flat.sum()
+    return [
+        (valid & (flat.isnan() | (flat == float("inf")))).sum(),
+        ((lowest >= 0) & (highest > _LOGPROB_TOLERANCE)).sum(),
+    ]
+
+
+def _advantage_counter(a: _Args, adv_len, valid, ids) -> torch.Tensor:
+    """Non-finite advantages that reach the loss: at valid tokens (per token), or of the
+    documents with a valid token (per sequence: a NaN reward of a sample the trainer masked
+    out entirely is not an error)."""
+    adv = a.advantages
+    if adv_len is None:
+        return (valid & ~adv.reshape(-1).isfinite()).sum()
+    used = torch.zeros(adv_len + 1, dtype=torch.bool, device=adv.device)
+    slot = torch.where(valid & (ids < adv_len), ids, adv_len)  # others: a spare slot
+    used.scatter_(0, slot, True)
+    return (used[:-1] & ~adv.isfinite()).sum()
+
+
+def _normalizer_counters(normalizer, valid, ids) -> list[torch.Tensor]:
+    """[this call's valid tokens, its documents with one, the normalizer's two counts]."""
+    key = torch.where(valid, ids, -1)
+    ordered = torch.sort(key, stable=True).values
+    first = (ordered >= 0) & torch.cat(
+        [ordered.new_ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]]
+    )
+    counts = (normalizer.num_tokens, normalizer.num_sequences)
+    norm = [torch.as_tensor(c, dtype=torch.float64, device=ids.device) for c in counts]
+    return [valid.sum(), first.sum(), *norm]
+
+
+def _read_values(a: _Args, adv_len: int | None) -> Segments:
     """Every check on values, read on the host in one transfer (one sync); returns the
     segments.
 
@@ -256,97 +289,68 @@ def _read_values(
     is an error, and so is a tensor whose values are all ``>= 0`` with some above
     ``_LOGPROB_TOLERANCE`` (probabilities passed for log-probabilities); ``-inf`` is data (a
     token that policy gave probability 0), which the loss's ratio clamps keep finite, and so is
-    a stray positive value (noise). A non-finite advantage is an error. Normalizer counts must
-    be finite, >= 0 and at least this call's own valid tokens and sequences (a smaller count
-    would scale the loss up).
+    a stray positive value (noise). A non-finite advantage that reaches the loss is an error.
+    Normalizer counts must be finite, >= 0 and at least this call's own valid tokens and
+    sequences (a smaller count would scale the loss up).
     """
-    rows = logprobs.shape[0] if logprobs.dim() == 2 else None
-    if document_ids is None:
-        ids = torch.arange(rows, device=logprobs.device).repeat_interleave(logprobs.shape[1])
+    lp = a.logprobs
+    rows = lp.shape[0] if lp.dim() == 2 else None
+    if a.document_ids is None:
+        ids = torch.arange(rows, device=lp.device).repeat_interleave(lp.shape[1])
         counters: list[torch.Tensor] = []
     else:
-        ids = check_document_ids(logprobs, document_ids, "logprobs")
+        ids = check_document_ids(lp, a.document_ids, "logprobs")
         counters = id_counters(ids)
-    valid = mask.reshape(-1) & (ids >= 0)  # [N]
-    names: list[str] = []
-
-    def bad_logprobs(name: str, t: torch.Tensor | None) -> None:
-        if t is None:
-            return
-        flat = t.reshape(-1)
-        counters.append((valid & (flat.isnan() | (flat == float("inf")))).sum())
-        # all valid values >= 0 with some above the tolerance: probabilities, not log-probs
-        lowest = torch.where(valid, flat, float("inf")).amin() if flat.numel() else flat.sum()
-        highest = torch.where(valid, flat, float("-inf")).amax() if flat.numel() else flat.sum()
-        counters.append(((lowest >= 0) & (highest > _LOGPROB_TOLERANCE)).sum())
-        names.append(name)
-
-    bad_logprobs("old_logprobs", old_logprobs)
-    bad_logprobs("ref_logprobs", ref_logprobs)
-    bad_logprobs("rollout_logprobs", rollout_logprobs)
-    if adv_len is None:
-        counters.append((valid & ~advantages.reshape(-1).isfinite()).sum())
-    else:
-        # Only the advantages of documents with a token that counts reach the loss: a NaN
-        # reward of a sample the trainer masked out entirely is not an error.
-        used = torch.zeros(adv_len + 1, dtype=torch.bool, device=advantages.device)
-        slot = torch.where(valid & (ids < adv_len), ids, adv_len)  # others: a spare slot
-        used.scatter_(0, slot, True)
-        counters.append((used[:-1] & ~advantages.isfinite()).sum())
-    names.append("advantages")
-    if normalizer is not None:
-        # this call's valid tokens and documents with one (first valid token of each id)
-        key = torch.where(valid, ids, -1)
-        ordered = torch.sort(key, stable=True).values
-        first = (ordered >= 0) & torch.cat(
-            [ordered.new_ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]]
-        )
-        norm = [
-            torch.as_tensor(c, dtype=torch.float64, device=ids.device)
-            for c in (normalizer.num_tokens, normalizer.num_sequences)
-        ]
-        counters += [valid.sum(), first.sum(), *norm]
-    if not counters:
-        return Segments(ids, rows)
+    valid = a.mask.reshape(-1) & (ids >= 0)  # [N]
+    named = {"old_logprobs": a.old_logprobs, "ref_logprobs": a.ref_logprobs}
+    named["rollout_logprobs"] = a.rollout_logprobs
+    named = {k: t for k, t in named.items() if t is not None}
+    for t in named.values():
+        counters += _logprob_counters(t, valid)
+    counters.append(_advantage_counter(a, adv_len, valid, ids))
+    if a.normalizer is not None:
+        counters += _normalizer_counters(a.normalizer, valid, ids)
     values = torch.stack([c.double() for c in counters]).tolist()  # the one host sync
     seg = Segments(ids, rows)
-    if document_ids is not None:
+    if a.document_ids is not None:
         seg = segments_from_counters(ids, values[:3], "logprobs")
         values = values[3:]
-    for name in names[:-1]:  # the log-prob tensors: two counters each
-        n_bad, looks_like_probs = values[:2]
+    for name in named:  # two counters each
+        _raise_on_logprobs(name, *values[:2])
         values = values[2:]
-        if n_bad:
-            raise ValueError(
-                f"{name} must be log-probabilities: NaN or +inf at {int(n_bad)} token(s) that "
-                "count (-inf, a probability of 0, is accepted)"
-            )
-        if looks_like_probs:
-            raise ValueError(
-                f"{name} look like probabilities, not log-probabilities: every value at the "
-                f"tokens that count is >= 0 and some exceed {_LOGPROB_TOLERANCE}. Pass their log"
-            )
     if values[0]:
         raise ValueError(
             f"advantages must be finite; {int(values[0])} value(s) used by this call are NaN "
             "or infinite (e.g. a group-normalized advantage of a group with a NaN reward)"
         )
-    values = values[1:]
-    if normalizer is not None:
-        tokens, seqs, n_tokens, n_seqs = values
-        for what, mine, given in (
-            ("num_tokens", tokens, n_tokens),
-            ("num_sequences", seqs, n_seqs),
-        ):
-            if not (given >= 0 and given < float("inf")):
-                raise ValueError(f"normalizer.{what} must be finite and >= 0, got {given}")
-            if given + 0.5 < mine:
-                raise ValueError(
-                    f"normalizer.{what} = {given:g} is smaller than this call's own {mine:g}: "
-                    "the normalizer must count the whole step (every micro-batch and rank), "
-                    "else the loss is scaled up"
-                )
+    if a.normalizer is not None:
+        _raise_on_normalizer(*values[1:])
     return seg
+
+
+def _raise_on_logprobs(name: str, n_bad: float, looks_like_probs: float) -> None:
+    if n_bad:
+        raise ValueError(
+            f"{name} must be log-probabilities: NaN or +inf at {int(n_bad)} token(s) that "
+            "count (-inf, a probability of 0, is accepted)"
+        )
+    if looks_like_probs:
+        raise ValueError(
+            f"{name} look like probabilities, not log-probabilities: every value at the "
+            f"tokens that count is >= 0 and some exceed {_LOGPROB_TOLERANCE}. Pass their log"
+        )
+
+
+def _raise_on_normalizer(tokens: float, seqs: float, n_tokens: float, n_seqs: float) -> None:
+    for what, mine, given in (("num_tokens", tokens, n_tokens), ("num_sequences", seqs, n_seqs)):
+        if not (given >= 0 and given < float("inf")):
+            raise ValueError(f"normalizer.{what} must be finite and >= 0, got {given}")
+        if given + 0.5 < mine:
+            raise ValueError(
+                f"normalizer.{what} = {given:g} is smaller than this call's own {mine:g}: "
+                "the normalizer must count the whole step (every micro-batch and rank), "
+                "else the loss is scaled up"
+            )
 
 
 def _check_stats(stats: object, key: int, seg: Segments) -> None:
@@ -363,6 +367,43 @@ def _check_stats(stats: object, key: int, seg: Segments) -> None:
             f"document_stats cover {stats.size} documents but document_ids go up to "
             f"{seg.size - 1}; compute them on the same stream"
         )
+
+
+def _agree(group, error, local: _Local | None, a: _Args, for_stats: bool, what: str):
+    """The context group's agreement: one ``all_reduce`` MAX of [failure, document count,
+    call fingerprint twice, advantage count]. Returns (the group's document count, the
+    smallest per-sequence advantage count or None)."""
+    key = 0 if local is None else local.key
+    sig = collectives.signature(
+        key,
+        a.ref_logprobs is None,
+        a.entropy is None,
+        a.normalizer is None,
+        a.document_stats is None,
+        for_stats,
+    )
+    unbounded = collectives.UNBOUNDED
+    adv_len = None if local is None else local.adv_len
+    size, hi, lo, neg_adv = collectives.agree(
+        group,
+        error,
+        what,
+        [
+            0 if local is None else local.seg.size,
+            sig,
+            -sig,
+            -(unbounded if adv_len is None else adv_len),
+        ],
+        "context_group",
+    )
+    if hi != -lo:
+        raise ValueError(
+            f"{what}: the ranks of the context group made different calls (config, [N] vs "
+            "[B, T] input or row count, or which of ref_logprobs / rollout_logprobs / "
+            "entropy / normalizer / document_stats are given); every rank must make the "
+            "same call on its own shard of the stream"
+        )
+    return size, None if -neg_adv == unbounded else -neg_adv
 
 
 def check_policy_loss(
@@ -394,63 +435,22 @@ def check_policy_loss(
     one rank raises on every rank, and the ranks are checked to make the same call.
     """
     group = collectives.check_group(context_group, "context_group")
-    error, local = None, None
-    try:
-        local = _local_checks(
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            config,
-            document_ids,
-            ref_logprobs,
-            rollout_logprobs,
-            entropy,
-            normalizer,
-            document_stats,
-            group is not None,
-            for_stats,
-        )
-    except ValueError as e:
-        if group is None:
-            raise
-        error = e
-    seg, adv_len, norm_length, key = local if local is not None else (None, None, None, 0)
+    a = _Args(
+        logprobs, old_logprobs, advantages, mask, config, document_ids, ref_logprobs,
+        rollout_logprobs, entropy, normalizer, document_stats,
+    )  # fmt: skip
     if group is None:
-        size, smallest = seg.size, adv_len
+        local = _local_checks(a, False, for_stats)
+        size, smallest = local.seg.size, local.adv_len
     else:
-        sig = collectives.signature(
-            key,
-            ref_logprobs is None,
-            entropy is None,
-            normalizer is None,
-            document_stats is None,
-            for_stats,
+        local, (size, smallest) = check_then_agree(
+            lambda: _local_checks(a, True, for_stats),
+            lambda loc, err: _agree(group, err, loc, a, for_stats, what),
         )
-        unbounded = collectives.UNBOUNDED
-        size, hi, lo, neg_adv = collectives.agree(
-            group,
-            error,
-            what,
-            [
-                seg.size if seg is not None else 0,
-                sig,
-                -sig,
-                -(unbounded if adv_len is None else adv_len),
-            ],
-            "context_group",
-        )
-        if hi != -lo:
-            raise ValueError(
-                f"{what}: the ranks of the context group made different calls (config, [N] vs "
-                "[B, T] input or row count, or which of ref_logprobs / rollout_logprobs / "
-                "entropy / normalizer / document_stats are given); every rank must make the "
-                "same call on its own shard of the stream"
-            )
-        smallest = None if -neg_adv == unbounded else -neg_adv
     if document_stats is not None:
         size = document_stats.size
-    _check_advantage_count(advantages, adv_len, smallest, size, group is not None)
+    _check_advantage_count(advantages, local.adv_len, smallest, size, group is not None)
+    seg, adv_len, norm_length, key = local
     return LossCall(
         config=config,
         old_logprobs=old_logprobs,

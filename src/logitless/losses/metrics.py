@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel import collectives
+from ..contract import collectives
 
 # reported min / max (kept apart: they reduce with MAX over a context group, not SUM)
 EXTREMES = ("ratio_min", "ratio_max", "is_weight_min", "is_weight_max")

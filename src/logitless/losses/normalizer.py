@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel import collectives
+from ..contract import collectives
 from ._segments import Segments, document_segments, sum_per_document
 
 __all__ = ["LossNormalizer", "loss_normalizer"]

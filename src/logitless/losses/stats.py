@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel import collectives
+from ..contract import collectives
 from ._segments import sum_per_document
 from .call import DocumentStats, LossCall
 from .checks import check_policy_loss

@@ -72,21 +72,19 @@ def kernel_batch(call: HeadCall, rows: Rows) -> RowBatch:
     return RowBatch(rows.hidden, call.weight, call.bias, labels, rows.temperature)
 
 
-def kernel_options(
-    call: HeadCall, num_rows: int, *, fused: bool = False, with_entropy: bool | None = None
-) -> KernelOptions:
+def kernel_options(call: HeadCall, num_rows: int, *, fused: bool = False) -> KernelOptions:
     """The kernels' options of a checked call over ``num_rows`` rows.
 
     ``fused``: the gradient-in-forward path, whose torch row chunk keeps all V logits. Under
     vocab parallelism the torch schedule is sized by the largest shard, so every rank cuts the
-    same row chunks (each one is a collective). ``with_entropy``: overrides the call's.
+    same row chunks (each one is a collective).
     """
     vp = call.vocab_parallel
     vocab = call.weight.shape[0] if vp is None else vp.max_shard
     choose = Schedule.choose_fused if fused else Schedule.choose
     return KernelOptions(
         transform=call.transform,
-        with_entropy=call.with_entropy if with_entropy is None else with_entropy,
+        with_entropy=call.with_entropy,
         head_dtype=call.head_dtype,
         schedule=choose(num_rows, vocab, call.weight.device, call.chunk_size),
         vocab_parallel=vp,

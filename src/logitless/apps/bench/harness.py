@@ -15,17 +15,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, TextIO
 
 import torch
 
-from ..cli import package_version
+from ..version import package_version
+from .results import MIB, Row, progress_line
 from .worker import PROGRESS_PREFIX, RESULT_PREFIX, _quantile
 from .workload import Workload
-
-MIB = 1024 * 1024
 
 CSV_COLUMNS = (
     "timestamp",
@@ -55,27 +54,6 @@ CSV_COLUMNS = (
     "torch",
     "logitless",
 )
-
-
-@dataclass
-class Row:
-    """One measured (or skipped / failed) method at one workload, plus its ratios."""
-
-    method: str
-    work: Workload
-    status: str
-    reason: str = ""
-    time_p50_s: float | None = None
-    time_p20_s: float | None = None
-    time_p80_s: float | None = None
-    peak_extra_mb: float | None = None
-    ratios: dict[str, float | None] = field(default_factory=dict)
-    times: list[float] = field(default_factory=list)  # every timed step
-
-    @property
-    def ok(self) -> bool:
-        """Whether the method produced numbers."""
-        return self.status == "ok"
 
 
 def run_method(
@@ -194,17 +172,6 @@ def add_ratios(rows: Sequence[Row]) -> None:
             "mem_vs_naive": _ratio(r.peak_extra_mb, naive and naive.peak_extra_mb),
             "mem_vs_floor": _ratio(r.peak_extra_mb, floor_mb),
         }
-
-
-def progress_line(index: int, total: int, row: Row) -> str:
-    """One line per finished method, for the progress log."""
-    head = f"[{index}/{total}] tokens={row.work.tokens} {row.method}:"
-    if row.ok:
-        return (
-            f"{head} {row.time_p50_s:.4f} s (p20 {row.time_p20_s:.4f}, p80 {row.time_p80_s:.4f}),"
-            f" peak extra {row.peak_extra_mb:.1f} MB"
-        )
-    return f"{head} {row.status} -- {row.reason}"
 
 
 def split_repeats(repeats: int, rounds: int) -> list[int]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .harness import Row
+from .results import Row
 from .workload import Workload
 
 MIB = 1024 * 1024

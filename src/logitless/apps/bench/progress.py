@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from .harness import Row, progress_line
+from .results import Row, progress_line
 from .workload import Workload
 
 

@@ -24,10 +24,10 @@ from ...backends import backend_for
 from ...backends.base import RowBatch
 from ...contract.head import HeadCall, check_head_call
 from ...contract.options import Backend, HeadOptions, SamplerOptions
+from ...contract.vocab import VocabParallel
 from ...losses import LossNormalizer, PolicyLossConfig
 from ...losses.call import LossCall
 from ...losses.checks import check_policy_loss
-from ...parallel.vocab import VocabParallel
 from ...sampling import SamplingMask
 from ..rows import kernel_batch, kernel_options, refuse_double_backward, select_rows
 from .replay import replay_policy_loss
@@ -115,24 +115,14 @@ def fused_policy_loss(
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
     """
-    options = HeadOptions(
-        temperature=temperature,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        head_dtype=head_dtype,
-        vocab_parallel=vocab_parallel,
-        backend=backend,
-    )
-    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
+    given = locals()
     return fused_loss_of(
         hidden,
         weight,
         labels,
         bias,
-        options,
-        sampler,
+        HeadOptions.pick(given),
+        SamplerOptions.pick(given),
         old_logprobs,
         advantages,
         config=config,

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from ...backends.base import RowBatch
+from ...contract import collectives
 from ...contract.head import HeadCall
-from ...parallel import collectives
 from ..replay.op import ReplayPlan, replay_backward, replay_forward, restrict
 from ..rows import Rows, kernel_options
 from .row_loss import RowLoss

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...backends import backend_for
-from ...backends.base import RowStats
+from ...backends.base import RowStats, Upstream
 from ...contract.head import HeadCall, check_head_call
 from ...contract.options import HeadOptions
 from ...transform import compute_dtype
@@ -140,8 +140,10 @@ def _backward_op(
     gh, gw, gb = backend_for(opts).backward_rows(
         kernel_batch(call, rows),
         RowStats(None, rows.gather(lse), rows.gather(entropy) if with_entropy else None),
-        rows.gather(grad_logprobs),
-        None if grad_entropy is None or not with_entropy else rows.gather(grad_entropy),
+        Upstream(
+            rows.gather(grad_logprobs),
+            None if grad_entropy is None or not with_entropy else rows.gather(grad_entropy),
+        ),
         opts,
         (need_h, need_w, need_b and bias is not None),
     )

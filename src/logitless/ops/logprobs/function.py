@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...backends import backend_for
-from ...backends.base import KernelOptions, RowBatch, RowStats
+from ...backends.base import KernelOptions, RowBatch, RowStats, Upstream
 from ..rows import refuse_double_backward
 
 
@@ -38,8 +38,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         gh, gw, gb = backend_for(ctx.opts).backward_rows(
             RowBatch(hidden, weight, bias, labels, temp),
             RowStats(None, lse, ent, kept),
-            grad_logp,
-            grad_ent,
+            Upstream(grad_logp, grad_ent),
             ctx.opts,
             needs,
         )

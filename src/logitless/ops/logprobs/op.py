@@ -6,7 +6,7 @@ import torch
 
 from ...contract.head import HeadCall, check_head_call
 from ...contract.options import Backend, HeadOptions, SamplerOptions
-from ...parallel.vocab import VocabParallel
+from ...contract.vocab import VocabParallel
 from ...sampling import SamplingMask
 from ...types import LogProbs
 from ..rows import kernel_batch, kernel_options, select_rows
@@ -118,19 +118,10 @@ def linear_logprobs(
         (torch.Size([2, 5]), torch.float32)
         >>> (out.logprobs.sum() + 0.01 * out.entropy.sum()).backward()
     """
-    options = HeadOptions(
-        temperature=temperature,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        with_entropy=with_entropy,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        head_dtype=head_dtype,
-        vocab_parallel=vocab_parallel,
-        backend=backend,
+    given = locals()
+    return logprobs_of(
+        hidden, weight, labels, bias, HeadOptions.pick(given), SamplerOptions.pick(given)
     )
-    sampler = SamplerOptions(sampling_mask, top_k, top_p, min_p, with_kept_mass)
-    return logprobs_of(hidden, weight, labels, bias, options, sampler)
 
 
 def logprobs_of(

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import torch
 
 from ...backends.base import KernelOptions, finish_stats
-from ...parallel.vocab import VocabParallel
 from ...transform import compute_dtype
 
 # Elements of one gathered [chunk, H] fp32 block (2 MiB): the weight rows, then the hidden rows.
@@ -116,16 +115,15 @@ def entry_logits(
 
 
 def kept_stats(
-    entries: Entries,
-    num_rows: int,
-    with_entropy: bool,
-    vp: VocabParallel | None = None,
+    entries: Entries, num_rows: int, opts: KernelOptions
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logp [R], lse [R] and entropy [R] (or None) of R rows over their kept entries.
 
-    Every row must have at least one entry (its label) in the group: with ``vp`` each rank
-    passes its shard's entries and the statistics are combined (a collective call).
+    Every row must have at least one entry (its label) in the group: under
+    ``opts.vocab_parallel`` each rank passes its shard's entries and the statistics are
+    combined (a collective call).
     """
+    vp = opts.vocab_parallel
     dev = entries.z.device
     z, rows = entries.z, entries.rows
     m = torch.full((num_rows,), float("-inf"), device=dev, dtype=z.dtype)
@@ -135,7 +133,7 @@ def kept_stats(
     d = z - m.index_select(0, rows)  # <= 0
     ex = d.exp()
     s = z.new_zeros(num_rows).index_add_(0, rows, ex)
-    q = z.new_zeros(num_rows).index_add_(0, rows, ex * d) if with_entropy else None
+    q = z.new_zeros(num_rows).index_add_(0, rows, ex * d) if opts.with_entropy else None
     zy = z.new_zeros(num_rows)
     zy.index_add_(0, rows[entries.is_label], z[entries.is_label])
     return finish_stats(m, s, q, zy, vp)

@@ -66,27 +66,27 @@ def masked_logprobs(call: HeadCall, logits: torch.Tensor) -> ReplayLogProbs:
     [N, V] masked to :func:`kept_set`."""
     valid = call.labels != call.ignore_index
     labels = torch.where(valid, call.labels, 0)
-    out = _masked_logprobs(logits, labels, valid, call.replay, call.with_entropy)
+    out = _masked_logprobs(logits, labels, valid, call)
     fields = (out.logprobs, out.entropy, out.label_added, out.kept_size, out.log_kept_mass)
     shape = call.batch_shape
     return ReplayLogProbs(*(None if t is None else t.reshape(shape) for t in fields))
 
 
-def _masked_logprobs(logits, labels, valid, replay: ReplayArgs, with_entropy):
+def _masked_logprobs(logits, labels, valid, call: HeadCall):
     """The replay branch of :func:`linear_logprobs`: a log-softmax over each row's kept set."""
-    keep, added = kept_set(logits, labels, replay)  # [N, V], [N]
+    keep, added = kept_set(logits, labels, call.replay)  # [N, V], [N]
     masked = logits.masked_fill(~keep, float("-inf"))
     logp_all = torch.log_softmax(masked, dim=-1)
     zero = logits.new_zeros(())
     logp = torch.where(valid, logp_all.gather(1, labels[:, None]).squeeze(1), zero)
     entropy = None
-    if with_entropy:
+    if call.with_entropy:
         # H = lse_K - Σ_K p z: z outside K is replaced by 0 (p = 0 there) so no 0·inf appears
         lse = torch.logsumexp(masked, dim=-1)
         ent = lse - (logp_all.exp() * logits.masked_fill(~keep, 0.0)).sum(-1)
         entropy = torch.where(valid, ent, zero)
     kept_mass = None
-    if replay.with_kept_mass:
+    if call.replay.with_kept_mass:
         with torch.no_grad():
             gap = torch.logsumexp(masked, -1) - torch.logsumexp(logits, -1)
             kept_mass = torch.where(valid, gap.clamp(max=0.0), zero)

@@ -30,7 +30,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ...backends import backend_for
-from ...backends.base import KernelOptions, RowBatch, RowStats
+from ...backends.base import KernelOptions, RowBatch, RowStats, Upstream
 from ...contract.head import HeadCall
 from ...contract.replay import ReplayArgs
 from ...types import ReplayLogProbs
@@ -202,8 +202,7 @@ def replay_backward(
         dh_f, dw, db = backend_for(plan.full_opts).backward_rows(
             batch.take(plan.full),
             stats,
-            take(grad_logp, plan.full),
-            take(grad_ent, plan.full),
+            Upstream(take(grad_logp, plan.full), take(grad_ent, plan.full)),
             plan.full_opts,
             needs,
         )

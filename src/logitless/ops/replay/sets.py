@@ -17,7 +17,7 @@ import torch
 from ...backends import backend_for
 from ...backends.base import KernelOptions, RowBatch
 from ...contract.replay import ReplayArgs
-from ...parallel.vocab import VocabParallel
+from ...contract.vocab import VocabParallel
 from . import topk_stream
 from .kept import Entries, entry_logits, kept_stats
 from .topk_stream import kept_from_candidates, stream_candidates
@@ -93,7 +93,7 @@ def mask_rows(
     z = entry_logits(batch.hidden, batch.weight, batch.bias, local.rows, local.ids,
                      batch.temperature, opts)  # fmt: skip
     local = local._replace(z=z)
-    logp, lse, ent = kept_stats(local, num_rows, opts.with_entropy, vp)
+    logp, lse, ent = kept_stats(local, num_rows, opts)
     lse_full = None
     if with_kept_mass:
         full = dataclasses.replace(opts, with_entropy=False)
@@ -106,7 +106,7 @@ def mask_rows(
 _SELECT_ROWS = 256
 
 
-def _prefix_stats(vals, count, zy, added, with_entropy):
+def _prefix_stats(vals, count, zy, added, opts: KernelOptions):
     """logp, lse, entropy [R] over each row's kept prefix ``vals[:, :count]`` (sorted,
     decreasing) plus, where ``added``, the label logit ``zy``."""
     cap = vals.shape[1]
@@ -119,7 +119,7 @@ def _prefix_stats(vals, count, zy, added, with_entropy):
     s = e.sum(1) + ey
     lse = top + s.log()
     ent = None
-    if with_entropy:
+    if opts.with_entropy:
         q = (e * d).sum(1) + ey * dy
         ent = s.log() - q / s
     return zy - lse, lse, ent
@@ -232,9 +232,7 @@ def replayed_rows(
         part, add = _select_entries(cand, count, take(labels, pending), rows, opts.vocab_parallel)
         parts.append(part)
         done = torch.nonzero(sets.covered).squeeze(1)
-        lp, ls, en = _prefix_stats(
-            cand.vals[done], count[done], cand.zy[done], add[done], opts.with_entropy
-        )
+        lp, ls, en = _prefix_stats(cand.vals[done], count[done], cand.zy[done], add[done], opts)
         at = rows[done]
         logp[at], lse[at], added[at] = lp, ls, add[done]
         size[at] = count[done] + add[done].long()

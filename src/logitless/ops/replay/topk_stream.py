@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ...backends.base import KernelOptions, RowBatch, Schedule
 from ...backends.torch_tiles import OnlineStats, label_slot, project, weight_block
-from ...parallel.vocab import VocabParallel
+from ...contract.vocab import VocabParallel
 
 # Candidate values + ids of one row chunk: at most this many [rows, C] entries at once (per
 # rank of a vocab-parallel group: the merge gathers every rank's).

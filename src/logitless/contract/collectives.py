@@ -7,14 +7,21 @@ own ``ValueError`` afterwards; every other rank learns from the same collective 
 failed and raises a ``ValueError`` saying so, instead of hanging in the next collective.
 
 Used by the vocab-parallel head (:mod:`.vocab`), the context-parallel losses, the step
-normalizer and the step accumulator. This module imports only torch.distributed.
+normalizer and the step accumulator. :func:`check_then_agree` is the rule every checked
+collective call follows: its local check runs, then the agreement, whatever the check found.
+This module imports only torch.distributed.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # Stand-in for "no constraint" in a MAX-reduced value (e.g. per-token advantages have no count).
 UNBOUNDED = 2**62
@@ -121,3 +128,19 @@ def all_reduce(tensor: torch.Tensor, group, op: str) -> torch.Tensor:
     reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     dist.all_reduce(out, op=reduce_op, group=group)
     return out.to(tensor.dtype)
+
+
+def check_then_agree(
+    check: Callable[[], T], agree: Callable[[T | None, ValueError | None], R]
+) -> tuple[T, R]:
+    """``(check(), agree(result, None))``; when ``check`` raises ``ValueError``, ``agree`` is
+    called with ``(None, error)`` all the same (and must raise)."""
+    result, error = None, None
+    try:
+        result = check()
+    except ValueError as e:
+        error = e
+    agreed = agree(result, error)
+    if error is not None:  # agree should have raised it; never return a failed check
+        raise error
+    return result, agreed
