@@ -18,37 +18,27 @@ from .version import package_version
 DEFAULT_CSV = Path("bench-results/bench.csv")
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(kind: type, accepts, bound: str):
+    """An argparse type: ``kind`` (int or float) with ``accepts(value)``, else an error saying
+    it must be ``bound``."""
+    expected = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {bound}"
+    return parse
 
 
-def _fraction(text: str) -> float:
-    """argparse type: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, ">= 1")
+_fraction = _number(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+_positive_float = _number(float, lambda v: v > 0, "> 0")
 
 
 def _device(text: str) -> str:

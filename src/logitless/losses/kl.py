@@ -13,18 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "KL_ESTIMATORS",
-    "importance_weighted_kl",
-    "kl_k1",
-    "kl_k2",
-    "kl_k3",
-    "kl_k3_k2_grad",
-    "kl_penalty",
-]
-
-# exp() of a log-ratio beyond this is clamped (as the surrogates' ratios are)
-_MAX_LOG_RATIO = 20.0
+from .surrogates import MAX_LOG_RATIO as _MAX_LOG_RATIO  # the surrogates' clamp of exp()
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
