@@ -936,7 +936,7 @@ def test_kl_importance_weight_sequence_refused_under_context_parallelism():
 
     args = _Args(lp, old, adv, mask, cfg, None, lp, None, None, None, None)
     with pytest.raises(ValueError, match="kl_importance_weight"):
-        _local_checks(args, True, False)
+        _local_checks(args, object(), False, False)
 
 
 NEW_OPTION_CONFIGS = {

@@ -226,7 +226,8 @@ class LogprobHead(_SharedHeadWeight):
             optional ``[V]`` bias), ``nn.Embedding(V, H)`` (tied embeddings), or any module
             with an ``nn.Parameter`` ``weight`` ``[V, H]`` (and optionally ``bias`` ``[V]``).
         temperature, softcap, logit_scale, with_entropy, ignore_index, chunk_size, head_dtype,
-            vocab_parallel, backend: as in :func:`~logitless.linear_logprobs`.
+            vocab_parallel, backend, capturable, row_capacity: as in
+            :func:`~logitless.linear_logprobs`.
         top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
             replay, as in :func:`~logitless.linear_logprobs` (None: not used).
 
@@ -326,7 +327,7 @@ class PolicyLossHead(_SharedHeadWeight):
             :class:`LogprobHead`.
         config: the :class:`~logitless.PolicyLossConfig`.
         temperature, softcap, logit_scale, head_dtype, chunk_size, ignore_index, vocab_parallel,
-            backend: as in :func:`~logitless.fused_policy_loss`.
+            backend, capturable, row_capacity: as in :func:`~logitless.fused_policy_loss`.
         top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
             replay, as in :func:`~logitless.fused_policy_loss` (None: not used).
 

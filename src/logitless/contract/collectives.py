@@ -56,8 +56,12 @@ def comm_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+@torch.compiler.assume_constant_result
 def signature(*parts: object) -> int:
-    """A process-independent 31-bit fingerprint of ``parts`` (``hash`` is salted per process)."""
+    """A process-independent 31-bit fingerprint of ``parts`` (``hash`` is salted per process).
+
+    ``parts`` are Python values (configs, shapes, flags), so under ``torch.compile`` the
+    fingerprint is a constant of the traced code, computed once while tracing."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 

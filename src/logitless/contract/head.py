@@ -35,8 +35,9 @@ class HeadCall:
     temperatures in the compute dtype, or None when it is one scalar (then in ``transform``);
     transform: logit scale, softcap and scalar temperature; head_dtype: the projection's
     dtype; backend: the kernels that run it (``"torch"`` or ``"triton"``); batch_shape: the
-    caller's ``labels.shape``; num_valid: rows whose label is not ``ignore_index``; replay:
-    the checked sampler (None: no sampling replay).
+    caller's ``labels.shape``; num_valid: rows whose label is not ``ignore_index`` (None in
+    the capturable mode, which never reads it); capturable / row_capacity: the capturable mode
+    (:class:`~.options.HeadOptions`); replay: the checked sampler (None: no sampling replay).
     """
 
     hidden: torch.Tensor
@@ -52,8 +53,10 @@ class HeadCall:
     vocab_parallel: VocabParallel | None
     backend: str
     batch_shape: torch.Size
-    num_valid: int
+    num_valid: int | None
     replay: ReplayArgs | None
+    capturable: bool = False
+    row_capacity: int | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -92,7 +95,7 @@ def check_head_call(
         return _check(hidden, weight, labels, bias, options, sampler)
 
     vp = options.vocab_parallel
-    if vp is None:
+    if vp is None or options.capturable:  # capturable: no agreement (it reads the device)
         return check()
     call, _ = check_then_agree(check, lambda c, e: vp.agree(None if c is None else c.labels, e))
     return call
@@ -103,8 +106,14 @@ def _check(hidden, weight, labels, bias, options: HeadOptions, sampler: SamplerO
     label_vocab = _check_layout(hidden, weight, labels, bias, options)
     head_dtype = options.head_dtype if options.head_dtype is not None else hidden.dtype
     backend = resolve_backend(options.backend, weight.device, head_dtype)
-    temp, num_valid = _check_values(labels, options, label_vocab, compute_dtype(head_dtype))
+    check = _assert_values if options.capturable else _check_values
+    temp, num_valid = check(labels, options, label_vocab, compute_dtype(head_dtype))
     flat = labels.reshape(-1).long()
+    if options.capturable and sampler.replaying:
+        raise ValueError(
+            "sampling replay is not capturable: the kept sets have data-dependent sizes; "
+            "use capturable=False with sampling_mask / top_k / top_p / min_p"
+        )
     scalar_t = None if isinstance(options.temperature, torch.Tensor) else options.temperature
     return HeadCall(
         hidden=hidden.reshape(-1, weight.shape[1]),
@@ -122,6 +131,8 @@ def _check(hidden, weight, labels, bias, options: HeadOptions, sampler: SamplerO
         batch_shape=labels.shape,
         num_valid=num_valid,
         replay=check_sampler(sampler, flat, labels.shape, options.ignore_index, label_vocab),
+        capturable=options.capturable,
+        row_capacity=options.row_capacity,
     )
 
 
@@ -233,6 +244,46 @@ def _check_shard(weight: torch.Tensor, vp: VocabParallel) -> int:
     return vp.vocab_size
 
 
+def _temperature_rows(labels, options: HeadOptions, stats_dtype) -> torch.Tensor | None:
+    """The per-row temperatures ``[N]`` in ``stats_dtype`` (None for a scalar), after the
+    checks that need no value."""
+    t = options.temperature
+    if not isinstance(t, torch.Tensor):
+        return None
+    if not t.is_floating_point():
+        raise ValueError(f"temperature tensor must be floating, got dtype {t.dtype}")
+    check_full_precision(temperature=t)
+    return per_position("temperature", t, labels.shape, labels.device, integer=False).to(
+        stats_dtype
+    )
+
+
+def _label_message(options: HeadOptions, label_vocab: int) -> str:
+    where = " (the global vocabulary of vocab_parallel)" if options.vocab_parallel else ""
+    return (
+        f"labels must be in [0, {label_vocab}){where} or equal ignore_index={options.ignore_index}"
+    )
+
+
+_TEMPERATURE_MESSAGE = "temperature must be finite and > 0 everywhere"
+
+
+def _assert_values(
+    labels: torch.Tensor, options: HeadOptions, label_vocab: int, stats_dtype: torch.dtype
+) -> tuple[torch.Tensor | None, None]:
+    """The capturable mode's value checks: device-side assertions with the messages of
+    :func:`_check_values` (a ``RuntimeError`` on CPU, a device-side assert on CUDA), no host
+    read; the number of valid rows stays unknown (None)."""
+    flat = labels.reshape(-1).long()
+    valid = flat != options.ignore_index
+    bad = valid & ((flat < 0) | (flat >= label_vocab))
+    torch._assert_async(~bad.any(), _label_message(options, label_vocab))
+    temp = _temperature_rows(labels, options, stats_dtype)
+    if temp is not None:
+        torch._assert_async((torch.isfinite(temp) & (temp > 0)).all(), _TEMPERATURE_MESSAGE)
+    return temp, None
+
+
 def _check_values(
     labels: torch.Tensor, options: HeadOptions, label_vocab: int, stats_dtype: torch.dtype
 ) -> tuple[torch.Tensor | None, int]:
@@ -243,26 +294,18 @@ def _check_values(
     flat = labels.reshape(-1).long()
     valid = flat != options.ignore_index
     bad = valid & ((flat < 0) | (flat >= label_vocab))
-    temp = None
     counts = [valid.sum(), bad.sum()]
-    if isinstance(options.temperature, torch.Tensor):
-        t = options.temperature
-        if not t.is_floating_point():
-            raise ValueError(f"temperature tensor must be floating, got dtype {t.dtype}")
-        check_full_precision(temperature=t)
-        temp = per_position("temperature", t, labels.shape, labels.device, integer=False)
-        temp = temp.to(stats_dtype)
+    temp = _temperature_rows(labels, options, stats_dtype)
+    if temp is not None:
         counts.append((~(torch.isfinite(temp) & (temp > 0))).sum())
     num_valid, n_bad, *rest = torch.stack(counts).tolist() if flat.numel() else [0, 0]
     if n_bad:
         first = flat[bad][0].item()
-        where = " (the global vocabulary of vocab_parallel)" if options.vocab_parallel else ""
         raise ValueError(
-            f"labels must be in [0, {label_vocab}){where} or equal "
-            f"ignore_index={options.ignore_index}; {n_bad} label(s) are not, e.g. {first}"
+            f"{_label_message(options, label_vocab)}; {n_bad} label(s) are not, e.g. {first}"
         )
     if rest and rest[0]:
-        raise ValueError("temperature must be finite and > 0 everywhere")
+        raise ValueError(_TEMPERATURE_MESSAGE)
     return temp, int(num_valid)
 
 

@@ -53,6 +53,11 @@ class HeadOptions:
     head_dtype: the projection's dtype (None: the inputs').
     vocab_parallel: the head's vocabulary shard, or None.
     backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+    capturable: no host read and shapes that depend only on the input shapes (CUDA graphs,
+        ``torch.compile(fullgraph=True)``): every row is projected and the ignored ones masked,
+        value checks become device-side assertions (docs/capturable.md).
+    row_capacity: with ``capturable``, project only this many rows: the valid rows, gathered
+        in order (more valid rows than this is a device-side error). None: every row.
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -64,6 +69,8 @@ class HeadOptions:
     head_dtype: torch.dtype | None = None
     vocab_parallel: VocabParallel | None = None
     backend: Backend = "auto"
+    capturable: bool = False
+    row_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, torch.Tensor):
@@ -83,6 +90,13 @@ class HeadOptions:
                 f"{type(self.vocab_parallel).__name__}"
             )
         _check_backend_name(self.backend)
+        check_flag("capturable", self.capturable)
+        check_optional_int("row_capacity", self.row_capacity, minimum=1)
+        if self.row_capacity is not None and not self.capturable:
+            raise ValueError(
+                "row_capacity needs capturable=True (the default mode selects the valid rows "
+                "exactly, reading their number on the host)"
+            )
 
     @classmethod
     def pick(cls, values: Mapping[str, object]) -> HeadOptions:
@@ -206,6 +220,8 @@ class HeadKwargs(TypedDict, total=False):
     head_dtype: torch.dtype | None
     vocab_parallel: VocabParallel | None
     backend: Backend
+    capturable: bool
+    row_capacity: int | None
     top_k: int | None
     top_p: float | None
     min_p: float | None

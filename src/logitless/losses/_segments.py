@@ -87,19 +87,41 @@ def id_counters(ids: torch.Tensor) -> list[torch.Tensor]:
     return [ids.min(), ids.max(), jumps.sum()]
 
 
+_MIN_ID = "document_ids must be >= -1 (-1 = padding)"
+
+
+def _split_message(name: str) -> str:
+    return (
+        "document_ids must keep each document's tokens contiguous in the (row-major) "
+        "flattened stream: a document's tokens come after another document or padding. Ids "
+        f"that restart in every row of a [B, T] {name} must be made global (e.g. offset each "
+        "row's ids), and a document must not resume later"
+    )
+
+
 def segments_from_counters(ids: torch.Tensor, values: list, name: str) -> Segments:
     """Raise on what :func:`id_counters` found (``values``: their host values)."""
     lo, hi, n_split = (int(v) for v in values)
     if lo < -1:
-        raise ValueError(f"document_ids must be >= -1 (-1 = padding), got min {lo}")
+        raise ValueError(f"{_MIN_ID}, got min {lo}")
     if n_split:
-        raise ValueError(
-            "document_ids must keep each document's tokens contiguous in the (row-major) "
-            f"flattened stream; {n_split} token(s) of a document come after another document "
-            f"or padding. Ids that restart in every row of a [B, T] {name} must be made "
-            "global (e.g. offset each row's ids), and a document must not resume later"
-        )
+        raise ValueError(f"{_split_message(name)} ({n_split} such token(s))")
     return Segments(ids, hi + 1 if hi >= 0 else 0)
+
+
+def assert_segments(ids: torch.Tensor, size: int, name: str) -> Segments:
+    """The capturable mode's :func:`segments_from_counters`: device-side assertions with the
+    same messages, and ``size`` given (a bound known from the shapes) instead of read: every
+    id must lie below it."""
+    lo, hi, n_split = id_counters(ids)
+    torch._assert_async(lo >= -1, _MIN_ID)
+    torch._assert_async(n_split == 0, _split_message(name))
+    torch._assert_async(
+        hi < size,
+        f"document_ids must be < {size} in the capturable mode (the number of per-sequence "
+        f"advantages, else of tokens: a bound known from the shapes)",
+    )
+    return Segments(ids, size)
 
 
 def document_segments(like: torch.Tensor, document_ids: torch.Tensor | None, name: str) -> Segments:

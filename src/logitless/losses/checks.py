@@ -14,10 +14,11 @@ from typing import NamedTuple
 import torch
 
 from ..contract import collectives
-from ..contract.checks import check_full_precision, fmt_shape
+from ..contract.checks import check_flag, check_full_precision, fmt_shape
 from ..contract.collectives import check_then_agree
 from ._segments import (
     Segments,
+    assert_segments,
     check_document_ids,
     id_counters,
     segments_from_counters,
@@ -219,14 +220,21 @@ def _check_normalizer(normalizer: object) -> None:
     )
 
 
-def _local_checks(a: _Args, grouped: bool, for_stats: bool) -> _Local:
-    """Every check that needs no collective; ``ValueError`` on bad input."""
+def _local_checks(a: _Args, group: object | None, for_stats: bool, capturable: bool) -> _Local:
+    """Every check that needs no collective; ``ValueError`` on bad input (the value checks:
+    device-side assertions when ``capturable``)."""
+    grouped = group is not None
     _check_tensors(a, grouped, for_stats)
     adv_len = _check_advantages(a.advantages, a.logprobs, a.document_ids is not None)
-    seg = _read_values(a, adv_len)
     key = stats_key(a.config, a.logprobs, a.document_ids, a.rollout_logprobs)
     if a.document_stats is not None:
-        _check_stats(a.document_stats, key, seg)
+        _check_stats_key(a.document_stats, key)
+    if capturable:
+        seg = _assert_values(a, adv_len, _id_bound(a, adv_len, group))
+    else:
+        seg = _read_values(a, adv_len)
+        if a.document_stats is not None:
+            _check_stats_size(a.document_stats, seg)
     return _Local(seg, adv_len, _norm_length(a.config, a.logprobs, grouped), key)
 
 
@@ -328,6 +336,70 @@ def _read_values(a: _Args, adv_len: int | None) -> Segments:
     return seg
 
 
+def _id_bound(a: _Args, adv_len: int | None, group: object | None) -> int:
+    """The capturable mode's length of per-document buffers, from shapes only: the size of
+    the given document statistics, else the number of per-sequence advantages, else the
+    tokens of the whole stream (this shard's times the context group's size: the ranks'
+    shards have one shape, as :func:`~logitless.parallel.context_parallel_split` makes
+    them)."""
+    if a.document_stats is not None:
+        return a.document_stats.size
+    if adv_len is not None:
+        return adv_len
+    ranks = 1 if group is None else torch.distributed.get_world_size(group)
+    return a.logprobs.numel() * ranks
+
+
+def _assert_values(a: _Args, adv_len: int | None, bound: int) -> Segments:
+    """The capturable mode's :func:`_read_values`: the same checks as device-side assertions
+    (a ``RuntimeError`` on CPU, a device-side assert on CUDA), with the messages' constant
+    part; document ids are asserted below ``bound`` (:func:`_id_bound`), the length of the
+    per-document buffers, instead of sizing them from the largest id."""
+    lp = a.logprobs
+    if a.document_ids is None:
+        rows = lp.shape[0]
+        seg = Segments(torch.arange(rows, device=lp.device).repeat_interleave(lp.shape[1]), rows)
+    else:
+        ids = check_document_ids(lp, a.document_ids, "logprobs")
+        seg = assert_segments(ids, bound, "logprobs")
+    valid = a.mask.reshape(-1) & (seg.ids >= 0)  # [N]
+    named = {"old_logprobs": a.old_logprobs, "ref_logprobs": a.ref_logprobs}
+    named["rollout_logprobs"] = a.rollout_logprobs
+    for name, t in named.items():
+        if t is not None:
+            n_bad, probs = _logprob_counters(t, valid)
+            torch._assert_async(n_bad == 0, _NOT_LOGPROBS.format(name=name))
+            torch._assert_async(probs == 0, _LOOK_LIKE_PROBS.format(name=name))
+    n_adv = _advantage_counter(a, adv_len, valid, seg.ids)
+    torch._assert_async(n_adv == 0, _ADVANTAGES_NOT_FINITE)
+    if a.normalizer is not None:
+        tokens, seqs, n_tokens, n_seqs = _normalizer_counters(a.normalizer, valid, seg.ids)
+        pairs = (("num_tokens", tokens, n_tokens), ("num_sequences", seqs, n_seqs))
+        for what, mine, given in pairs:
+            torch._assert_async(given.isfinite() & (given >= 0), _NORMALIZER_FINITE.format(what))
+            torch._assert_async(given + 0.5 >= mine, _NORMALIZER_SMALL.format(what))
+    return seg
+
+
+_NOT_LOGPROBS = (
+    "{name} must be log-probabilities: NaN or +inf at a token that counts (-inf, a "
+    "probability of 0, is accepted)"
+)
+_LOOK_LIKE_PROBS = (
+    "{name} look like probabilities, not log-probabilities: every value at the tokens that "
+    f"count is >= 0 and some exceed {_LOGPROB_TOLERANCE}. Pass their log"
+)
+_ADVANTAGES_NOT_FINITE = (
+    "advantages must be finite; a value used by this call is NaN or infinite (e.g. a "
+    "group-normalized advantage of a group with a NaN reward)"
+)
+_NORMALIZER_FINITE = "normalizer.{} must be finite and >= 0"
+_NORMALIZER_SMALL = (
+    "normalizer.{} is smaller than this call's own count: the normalizer must count the whole "
+    "step (every micro-batch and rank), else the loss is scaled up"
+)
+
+
 def _raise_on_logprobs(name: str, n_bad: float, looks_like_probs: float) -> None:
     if n_bad:
         raise ValueError(
@@ -353,7 +425,7 @@ def _raise_on_normalizer(tokens: float, seqs: float, n_tokens: float, n_seqs: fl
             )
 
 
-def _check_stats(stats: object, key: int, seg: Segments) -> None:
+def _check_stats_key(stats: object, key: int) -> None:
     if not isinstance(stats, DocumentStats):
         raise ValueError(f"document_stats must be a DocumentStats, got {type(stats).__name__}")
     if stats.key != key:
@@ -362,6 +434,9 @@ def _check_stats(stats: object, key: int, seg: Segments) -> None:
             "PolicyLossConfig, [N] vs [B, T] input, or rollout_logprobs given or not); compute "
             "them with document_stats(...) for this call's config and inputs"
         )
+
+
+def _check_stats_size(stats: DocumentStats, seg: Segments) -> None:
     if seg.size > stats.size:
         raise ValueError(
             f"document_stats cover {stats.size} documents but document_ids go up to "
@@ -422,6 +497,7 @@ def check_policy_loss(
     document_stats: object | None = None,
     for_stats: bool = False,
     what: str = "policy_loss",
+    capturable: bool = False,
 ) -> LossCall:
     """Check a :func:`~logitless.policy_loss` call (same arguments) and return its layout.
 
@@ -433,18 +509,23 @@ def check_policy_loss(
     With ``context_group`` this is a collective call: one ``all_reduce`` MAX of 5 int64
     (failure flag, document count, call fingerprint twice, advantage count), so a bad input on
     one rank raises on every rank, and the ranks are checked to make the same call.
+
+    ``capturable``: no host read and no collective (CUDA graphs, ``fullgraph`` compiles): the
+    value checks are device-side assertions and the ranks' agreement is not checked
+    (docs/capturable.md).
     """
     group = collectives.check_group(context_group, "context_group")
+    check_flag("capturable", capturable)
     a = _Args(
         logprobs, old_logprobs, advantages, mask, config, document_ids, ref_logprobs,
         rollout_logprobs, entropy, normalizer, document_stats,
     )  # fmt: skip
-    if group is None:
-        local = _local_checks(a, False, for_stats)
+    if group is None or capturable:
+        local = _local_checks(a, group, for_stats, capturable)
         size, smallest = local.seg.size, local.adv_len
     else:
         local, (size, smallest) = check_then_agree(
-            lambda: _local_checks(a, True, for_stats),
+            lambda: _local_checks(a, group, for_stats, False),
             lambda loc, err: _agree(group, err, loc, a, for_stats, what),
         )
     if document_stats is not None:

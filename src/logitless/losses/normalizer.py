@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import collectives
-from ._segments import Segments, document_segments, sum_per_document
+from ..contract.checks import check_flag
+from ._segments import (
+    Segments,
+    assert_segments,
+    check_document_ids,
+    document_segments,
+    sum_per_document,
+)
 
 __all__ = ["LossNormalizer", "loss_normalizer"]
 
@@ -71,10 +78,23 @@ def _check_loss_scale(v: object) -> None:
         )
 
 
+def _segments(mask: torch.Tensor, ids: torch.Tensor | None, ranks: int | None) -> Segments:
+    """A micro-batch's segments; ``ranks`` (the context group's size, 1 without one) in the
+    capturable mode: ids asserted on the device below the stream's token count (this shard's
+    times ``ranks``), which sizes the per-document buffers."""
+    if ranks is None or ids is None:
+        return document_segments(mask, ids, "mask")
+    flat = check_document_ids(mask, ids, "mask")
+    return assert_segments(flat, flat.numel() * ranks, "mask")
+
+
 def _local_counts(
-    masks: Sequence[torch.Tensor], document_ids: Sequence[torch.Tensor | None] | None
+    masks: Sequence[torch.Tensor],
+    document_ids: Sequence[torch.Tensor | None] | None,
+    ranks: int | None = None,
 ) -> list[tuple[torch.Tensor, Segments]]:
-    """Validated ``(valid [N_k] bool, segments)`` per micro-batch (local document ids)."""
+    """Validated ``(valid [N_k] bool, segments)`` per micro-batch (local document ids);
+    ``ranks``: see :func:`_segments`."""
     if not isinstance(masks, Sequence) or len(masks) == 0:
         raise ValueError(f"masks must hold at least one micro-batch mask, got {masks!r}")
     if document_ids is None:
@@ -92,7 +112,7 @@ def _local_counts(
             raise ValueError(
                 f"masks[{k}] must be a bool tensor (as policy_loss's mask), got {mask.dtype}"
             )
-        seg = document_segments(mask, ids, "mask")
+        seg = _segments(mask, ids, ranks)
         out.append((mask.reshape(-1).bool() & (seg.ids >= 0), seg))
     return out
 
@@ -104,6 +124,7 @@ def loss_normalizer(
     process_group: object | None = None,
     context_group: object | None = None,
     loss_scale: float = 1.0,
+    capturable: bool = False,
 ) -> LossNormalizer:
     """Count valid tokens and sequences over all micro-batches of a step (and all ranks).
 
@@ -122,6 +143,13 @@ def loss_normalizer(
             the group must pass the same number of micro-batches.
         loss_scale: stored in the normalizer; set it to the number of ranks DDP/FSDP average
             gradients over (see :class:`LossNormalizer`).
+        capturable: no host read (CUDA graphs, ``torch.compile(fullgraph=True)``): document
+            ids are checked by device-side assertions and must lie below the stream's token
+            count (this shard's times the context group's size), the collectives are plain
+            sums (one ``all_reduce`` SUM of ``Σ_k size_k + 1`` float64 on the context group,
+            one of 2 on the data-parallel group) and the ranks' agreement is not checked: every
+            rank of a context group must pass micro-batches of the same shapes. Bad input that
+            shapes reveal still raises ``ValueError``, on its rank only.
 
     Returns:
         A :class:`LossNormalizer` of 0-dim float64 tensors on the masks' device, the same on
@@ -139,6 +167,11 @@ def loss_normalizer(
     """
     cp = collectives.check_group(context_group, "context_group")
     dp = collectives.check_group(process_group, "process_group")
+    if check_flag("capturable", capturable):
+        _check_loss_scale(loss_scale)
+        ranks = 1 if cp is None else torch.distributed.get_world_size(cp)
+        counts = _capturable_counts(_local_counts(masks, document_ids, ranks), cp, dp)
+        return LossNormalizer(counts[0], counts[1], loss_scale=loss_scale)
     error, local = None, None
     try:
         _check_loss_scale(loss_scale)
@@ -180,3 +213,18 @@ def loss_normalizer(
     if error is not None:
         raise error
     return LossNormalizer(num_tokens=counts[0], num_sequences=counts[1], loss_scale=loss_scale)
+
+
+def _capturable_counts(local: list[tuple[torch.Tensor, Segments]], cp, dp) -> torch.Tensor:
+    """``[tokens, sequences]`` float64 of checked micro-batches, with no host read: the
+    per-document token counts of every micro-batch summed over ``cp`` in one buffer (each
+    micro-batch's sized from its shape), then the two counts over ``dp``."""
+    per_doc = [sum_per_document(v.double(), seg) for v, seg in local]  # each [size_k]
+    tokens = torch.stack([v.sum(dtype=torch.float64) for v, _ in local]).sum().reshape(1)
+    flat = torch.cat([*per_doc, tokens])
+    if cp is not None:
+        flat = collectives.all_reduce(flat, cp, "sum")
+    counts = torch.stack([flat[-1], (flat[:-1] > 0).sum(dtype=torch.float64)])
+    if dp is not None:
+        counts = collectives.all_reduce(counts, dp, "sum")
+    return counts

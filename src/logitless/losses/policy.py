@@ -39,6 +39,7 @@ def policy_loss(
     normalizer: LossNormalizer | None = None,
     context_group: object | None = None,
     document_stats: DocumentStats | None = None,
+    capturable: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy-gradient loss from per-token log-probs; returns ``(loss, metrics)``.
 
@@ -86,6 +87,11 @@ def policy_loss(
         context_group: the context-parallel ``ProcessGroup`` (see above), or None.
         document_stats: per-document statistics from :func:`document_stats` for this same
             stream and config: used instead of computing (and communicating) them.
+        capturable: no host read and shapes that depend on the input shapes only (CUDA
+            graphs, ``torch.compile(fullgraph=True)``): the value checks become device-side
+            assertions, per-document buffers are sized from the shapes (one per per-sequence
+            advantage, else one per token of the stream), and under context parallelism the
+            ranks' agreement is not checked (docs/capturable.md).
 
     Returns:
         ``loss``: 0-dim fp32 (or the inputs' float dtype) tensor, times
@@ -119,6 +125,7 @@ def policy_loss(
         normalizer=normalizer,
         context_group=context_group,
         document_stats=document_stats,
+        capturable=capturable,
     )
     return compute_policy_loss(call, logprobs, entropy, document_stats)
 

@@ -62,6 +62,7 @@ def document_stats(
     document_ids: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     context_group: object | None = None,
+    capturable: bool = False,
 ) -> DocumentStats:
     """The per-document statistics of a :func:`policy_loss` call, computed once.
 
@@ -74,7 +75,7 @@ def document_stats(
 
     With ``context_group`` this is a collective call over the group: two ``all_reduce`` calls
     (MAX of 5 int64, then SUM of ``k · D`` float64, ``k`` = 1 to 4 sums), whatever the rank's
-    data.
+    data (the first is skipped with ``capturable``, as in :func:`policy_loss`).
 
     Returns:
         A :class:`DocumentStats`.
@@ -90,5 +91,6 @@ def document_stats(
         context_group=context_group,
         for_stats=True,
         what="document_stats",
+        capturable=capturable,
     )
     return compute_document_stats(call, logprobs)

@@ -20,7 +20,9 @@ class Rows(NamedTuple):
 
     hidden: [M, H] (a differentiable gather of the caller's rows); labels: [M] int64 (global
     ids); temperature: [M] or None (scalar temperature); index: [M] row ids into the flattened
-    batch, or None when every row is valid; num_tokens / batch_shape: the caller's layout.
+    batch, or None when every row is kept; num_tokens / batch_shape: the caller's layout;
+    valid: [M] bool in the capturable mode, whose rows include ignored ones (their label set to
+    0, their results masked by :meth:`scatter`), else None (every row is valid).
     """
 
     hidden: torch.Tensor
@@ -29,14 +31,21 @@ class Rows(NamedTuple):
     index: torch.Tensor | None
     num_tokens: int
     batch_shape: torch.Size
+    valid: torch.Tensor | None = None
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """A per-token tensor of the caller's ``labels.shape`` -> its [M] valid rows."""
+        """A per-token tensor of the caller's ``labels.shape`` -> its [M] rows (zero at the
+        ignored rows of the capturable mode: an upstream gradient there must not count)."""
         flat = values.reshape(-1)
-        return flat if self.index is None else flat.index_select(0, self.index)
+        rows = flat if self.index is None else flat.index_select(0, self.index)
+        if self.valid is not None:
+            rows = torch.where(self.valid, rows, rows.new_zeros(()))
+        return rows
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """[M] per-row values (any dtype) -> the caller's ``labels.shape``, zero at ignored rows."""
+        if self.valid is not None:
+            values = torch.where(self.valid, values, values.new_zeros(()))
         if self.index is not None:
             values = values.new_zeros(self.num_tokens).index_copy(0, self.index, values)
         return values.reshape(self.batch_shape)
@@ -46,8 +55,11 @@ def select_rows(call: HeadCall) -> Rows:
     """Drop ignored rows before any FLOP; no copy when every row is valid.
 
     The number of valid rows was read on the host by the checks (``call.num_valid``), so the
-    index is built without another host synchronization.
+    index is built without another host synchronization. The capturable mode never reads it:
+    see :func:`_capturable_rows`.
     """
+    if call.capturable:
+        return _capturable_rows(call)
     n = call.labels.numel()
     hidden, labels, temp = call.hidden, call.labels, call.temperature
     idx = None
@@ -62,6 +74,31 @@ def select_rows(call: HeadCall) -> Rows:
         labels = labels.index_select(0, idx)
         temp = None if temp is None else temp.index_select(0, idx)
     return Rows(hidden, labels, temp, idx, n, call.batch_shape)
+
+
+def _capturable_rows(call: HeadCall) -> Rows:
+    """The rows of a capturable call, with shapes that depend on the input shapes only.
+
+    Without ``row_capacity``, every row: the ignored ones get label 0 (any valid id) and are
+    masked afterwards. With ``row_capacity=C``, ``C`` rows: the valid rows in their order, then
+    ignored ones (a stable sort of the validity flags), and a device-side assertion that no
+    valid row was left out.
+    """
+    n = call.labels.numel()
+    valid = call.labels != call.ignore_index
+    labels = torch.where(valid, call.labels, 0)
+    hidden, temp, idx = call.hidden, call.temperature, None
+    if call.row_capacity is not None and call.row_capacity < n:
+        cap = call.row_capacity
+        torch._assert_async(
+            valid.sum() <= cap,
+            f"more valid rows than row_capacity={cap}: raise row_capacity (at most "
+            f"{n} rows) or use capturable=True without it",
+        )
+        idx = torch.argsort((~valid).to(torch.int8), stable=True)[:cap]
+        hidden, labels, valid = hidden.index_select(0, idx), labels[idx], valid[idx]
+        temp = None if temp is None else temp.index_select(0, idx)
+    return Rows(hidden, labels, temp, idx, n, call.batch_shape, valid)
 
 
 def kernel_batch(call: HeadCall, rows: Rows) -> RowBatch:

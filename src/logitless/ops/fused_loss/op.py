@@ -61,6 +61,8 @@ def fused_policy_loss(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     with_kept_mass: bool = False,
+    capturable: bool = False,
+    row_capacity: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -111,6 +113,9 @@ def fused_policy_loss(
             every row next, and the (sparse) replay backward last; the metrics gain
             ``replay_kept_size``, ``replay_label_added`` and, with ``with_kept_mass``,
             ``replay_log_kept_mass`` (see :mod:`logitless.ops.fused_loss.replay`).
+        capturable, row_capacity: as in :func:`logitless.linear_logprobs`, and the loss's
+            checks as in :func:`logitless.policy_loss` with ``capturable=True``: no host read,
+            static shapes (docs/capturable.md).
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -175,7 +180,13 @@ def check_loss_of_head(
     config = loss_inputs.get("config")
     with_entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
     return check_policy_loss(
-        like, old_logprobs, advantages, mask, entropy=like if with_entropy else None, **loss_inputs
+        like,
+        old_logprobs,
+        advantages,
+        mask,
+        entropy=like if with_entropy else None,
+        capturable=call.capturable,
+        **loss_inputs,
     )
 
 

@@ -38,6 +38,8 @@ _FIELDS = (
     "chunk_size",
     "head_dtype",
     "backend",
+    "capturable",
+    "row_capacity",
 )
 
 
@@ -55,6 +57,8 @@ def _flat(options: HeadOptions) -> tuple:
         options.chunk_size,
         options.head_dtype,
         options.backend,
+        options.capturable,
+        options.row_capacity,
     )
 
 
@@ -81,11 +85,13 @@ def _forward_op(
     chunk_size: int | None,
     head_dtype: torch.dtype | None,
     backend: str,
+    capturable: bool,
+    row_capacity: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprobs, entropy, lse, entropy for backward), each of ``labels.shape``; entropy is
     zeros when not asked for. lse / entropy are 0 at ignored rows (only valid rows use them)."""
     flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
-            chunk_size, head_dtype, backend)  # fmt: skip
+            chunk_size, head_dtype, backend, capturable, row_capacity)  # fmt: skip
     call = _call(hidden, weight, labels, bias, flat)
     rows = select_rows(call)
     opts = kernel_options(call, rows.labels.numel())
@@ -122,6 +128,8 @@ def _backward_op(
     chunk_size: int | None,
     head_dtype: torch.dtype | None,
     backend: str,
+    capturable: bool,
+    row_capacity: int | None,
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_logprobs: torch.Tensor,
@@ -130,7 +138,7 @@ def _backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias) of the head; an empty tensor for a gradient not needed."""
     flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
-            chunk_size, head_dtype, backend)  # fmt: skip
+            chunk_size, head_dtype, backend, capturable, row_capacity)  # fmt: skip
     call = _call(
         hidden.detach(), weight.detach(), labels, None if bias is None else bias.detach(), flat
     )

@@ -33,6 +33,8 @@ def linear_logprobs(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     with_kept_mass: bool = False,
+    capturable: bool = False,
+    row_capacity: int | None = None,
 ) -> LogProbs:
     """Log-probability of each label (and the entropy of each row) straight from hidden states.
 
@@ -95,6 +97,14 @@ def linear_logprobs(
         with_kept_mass: with replay, also report ``log_kept_mass`` (the log of each row's kept
             mass under the full softmax); with a ``sampling_mask`` it costs one more pass over
             the vocabulary (no gradient), with top-k / top-p it is free.
+        capturable: no host read and output / work shapes that depend on the input shapes only
+            (for CUDA graphs and ``torch.compile(fullgraph=True)``): every row is projected and
+            the ignored rows masked, and the value checks (label range, temperature) become
+            device-side assertions (docs/capturable.md). Not with sampling replay; under vocab
+            parallelism the ranks' agreement is not checked.
+        row_capacity: with ``capturable``, project only this many rows, the valid rows first in
+            their order (a caller who knows the responses fit saves the prompt rows' work);
+            more valid rows than this is a device-side error, never rows dropped.
 
     Returns:
         :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape`` (float64
