@@ -105,22 +105,30 @@ def _check_cu_seqlens(cu_seqlens: object, total: int | None) -> tuple[torch.Tens
     return cu, total
 
 
-def _check_position_values(pos: torch.Tensor) -> None:
-    """Every row starts with 0 or padding; a position p > 0 follows p - 1 in the same row."""
+_POSITION_RULE = (
+    "position_ids must restart at 0 for each document and count up by 1 (negative = "
+    "padding), so each row starts with 0 or a negative id and a position p > 0 follows p - 1"
+)
+
+
+def _check_position_values(pos: torch.Tensor, capturable: bool = False) -> None:
+    """Every row starts with 0 or padding; a position p > 0 follows p - 1 in the same row.
+    ``capturable``: a device-side assertion instead of a host read."""
     rows = pos.reshape(-1, pos.shape[-1]) if pos.numel() else pos.reshape(0, 1)
     bad = torch.zeros_like(rows, dtype=torch.bool)
     bad[:, 0] = rows[:, 0] > 0
     bad[:, 1:] = (rows[:, 1:] > 0) & (rows[:, 1:] != rows[:, :-1] + 1)
+    if capturable:
+        torch._assert_async(~bad.any(), _POSITION_RULE)
+        return
     n_bad = int(bad.sum())
     if n_bad:
         flat = int(bad.reshape(-1).nonzero()[0])
         where = tuple(torch.unravel_index(torch.tensor(flat), pos.shape))
         where_s = ", ".join(str(int(i)) for i in where)
         raise ValueError(
-            "position_ids must restart at 0 for each document and count up by 1 (negative = "
-            "padding), so each row starts with 0 or a negative id and a position p > 0 follows "
-            f"p - 1; {n_bad} token(s) do not, first at index ({where_s}) with position "
-            f"{int(pos.reshape(-1)[flat])}"
+            f"{_POSITION_RULE}; {n_bad} token(s) do not, first at index ({where_s}) with "
+            f"position {int(pos.reshape(-1)[flat])}"
         )
 
 
@@ -241,8 +249,14 @@ def position_ids_to_document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     tensor([[ 0,  0,  0,  1,  1],
             [ 2,  2, -1, -1, -1]])
     """
+    return position_documents(position_ids)
+
+
+def position_documents(position_ids: torch.Tensor, capturable: bool = False) -> torch.Tensor:
+    """:func:`position_ids_to_document_ids`; ``capturable``: its value check is a device-side
+    assertion (no host read)."""
     pos = _check_tokens("position_ids", position_ids, _SIGNED_INT_DTYPES)
-    _check_position_values(pos)
+    _check_position_values(pos, capturable)
     return _document_ids_from_positions(pos)
 
 
@@ -416,12 +430,23 @@ def next_token_labels(
             ids_in.shape[-1] if ids_in.dim() == 2 else n
         )
 
-    labels = torch.full((n,), ignore_index, dtype=torch.long, device=ids_in.device)
+    return labels_within_documents(ids_in, doc, ignore_index)
+
+
+def labels_within_documents(
+    input_ids: torch.Tensor, doc: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    """Next-token labels of checked ``input_ids`` whose flattened tokens belong to documents
+    ``doc`` (``[N]``, -1 = padding): the following token where it is in the same document,
+    else ``ignore_index``. No check, no host read."""
+    n = doc.numel()
+    flat_in = input_ids.reshape(-1)
+    labels = torch.full((n,), ignore_index, dtype=torch.long, device=input_ids.device)
     if n > 1:
         # token i keeps token i+1 as its label only when both are in the same real document
         same = (doc[:-1] >= 0) & (doc[:-1] == doc[1:])  # [N - 1]
         labels[:-1] = torch.where(same, flat_in[1:].long(), ignore_index)
-    return labels.reshape(ids_in.shape)
+    return labels.reshape(input_ids.shape)
 
 
 def segment_sum(

@@ -51,8 +51,9 @@ from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call
 from ..ops.logprobs.op import logprobs_of_call
 from ..packing import (
     cu_seqlens_to_position_ids,
+    labels_within_documents,
     next_token_labels,
-    position_ids_to_document_ids,
+    position_documents,
 )
 from ..sampling import SamplingMask
 from ..types import LogProbs
@@ -284,10 +285,16 @@ _MASK_DTYPES = (
 _POS_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_attention_mask(attention_mask: object, input_ids: torch.Tensor) -> torch.Tensor:
+def _check_attention_mask(
+    attention_mask: object, input_ids: torch.Tensor, capturable: bool
+) -> torch.Tensor:
     mask = _check_like_ids("attention_mask", attention_mask, input_ids, _MASK_DTYPES)
-    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold only 0 and 1")
+    if mask.dtype != torch.bool:
+        binary = ((mask == 0) | (mask == 1)).all()
+        if capturable:
+            torch._assert_async(binary, "attention_mask must hold only 0 and 1")
+        elif not bool(binary):
+            raise ValueError("attention_mask must hold only 0 and 1")
     return mask.bool()
 
 
@@ -298,18 +305,28 @@ def _check_model_inputs(
     cu_seqlens: object,
     response_mask: object,
     ignore_index: object,
+    capturable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model-input contract (types, shapes, dtypes, mask values, one packing description),
-    checked without building labels; returns input_ids and the bool attention mask (or None)."""
+    checked without building labels; returns input_ids and the bool attention mask (or None).
+    ``capturable``: value checks as device-side assertions."""
     input_ids = _check_input_ids(input_ids)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    mask = None if attention_mask is None else _check_attention_mask(attention_mask, input_ids)
+    mask = None
+    if attention_mask is not None:
+        mask = _check_attention_mask(attention_mask, input_ids, capturable)
     if position_ids is not None:
         _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
     if response_mask is not None:
         _check_like_ids("response_mask", response_mask, input_ids, (torch.bool,))
     if cu_seqlens is not None:
+        if capturable:
+            raise ValueError(
+                "cu_seqlens is not supported with capturable=True (its documents are found by "
+                "reading its values on the host); pass position_ids restarting at 0 for each "
+                "document instead"
+            )
         if position_ids is not None:
             raise ValueError("give cu_seqlens or position_ids, not both")
         if input_ids.shape[0] != 1:
@@ -356,14 +373,25 @@ def causal_lm_labels(
     ...                  response_mask=torch.tensor([[0, 0, 0, 0, 1, 1]]).bool())
     tensor([[-100, -100, -100,    7,    8, -100]])
     """
+    batch = _ModelBatch(input_ids, attention_mask, position_ids, cu_seqlens, None, response_mask)
+    return _labels(batch, ignore_index, capturable=False)
+
+
+def _labels(batch: _ModelBatch, ignore_index: object, capturable: bool) -> torch.Tensor:
+    """:func:`causal_lm_labels` of ``batch``; ``capturable``: no host read (its value checks
+    are device-side assertions)."""
+    input_ids, position_ids, cu_seqlens = batch.input_ids, batch.position_ids, batch.cu_seqlens
+    response_mask = batch.response_mask
     input_ids, mask = _check_model_inputs(
-        input_ids, attention_mask, position_ids, cu_seqlens, response_mask, ignore_index
-    )
+        input_ids, batch.attention_mask, position_ids, cu_seqlens, response_mask, ignore_index,
+        capturable,
+    )  # fmt: skip
     if cu_seqlens is not None:
         labels = next_token_labels(input_ids, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
     elif position_ids is not None:
         pos = position_ids if mask is None else position_ids.masked_fill(~mask, -1)
-        labels = next_token_labels(input_ids, position_ids=pos, ignore_index=ignore_index)
+        doc = position_documents(pos, capturable).reshape(-1)
+        labels = labels_within_documents(input_ids, doc, ignore_index)
     else:
         labels = next_token_labels(input_ids, ignore_index=ignore_index)
     keep = torch.ones_like(labels, dtype=torch.bool)
@@ -428,17 +456,10 @@ class _ModelBatch(NamedTuple):
     target_ids: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
 
-    def targets(self, ignore_index: int) -> torch.Tensor:
+    def targets(self, ignore_index: int, capturable: bool) -> torch.Tensor:
         """``[B, T]`` targets aligned like the logits: given, or :func:`causal_lm_labels`."""
         if self.target_ids is None:
-            return causal_lm_labels(
-                self.input_ids,
-                attention_mask=self.attention_mask,
-                position_ids=self.position_ids,
-                cu_seqlens=self.cu_seqlens,
-                response_mask=self.response_mask,
-                ignore_index=ignore_index,
-            )
+            return _labels(self, ignore_index, capturable)
         if self.response_mask is not None:
             raise ValueError(
                 "give target_ids or response_mask, not both: with explicit target_ids, set the "
@@ -453,7 +474,7 @@ class _ModelBatch(NamedTuple):
         # The model inputs the backbone will get.
         _check_model_inputs(
             self.input_ids, self.attention_mask, self.position_ids, self.cu_seqlens, None,
-            ignore_index,
+            ignore_index, capturable,
         )  # fmt: skip
         return t
 
@@ -498,7 +519,7 @@ def _prepare(
         raise ValueError(
             f"input_ids must be on the model's device {head.weight.device}, got {input_ids.device}"
         )
-    labels = batch.targets(options.ignore_index)
+    labels = batch.targets(options.ignore_index, options.capturable)
     options = _head_options(options, head)
     placeholder = head.weight.new_zeros(()).detach().expand(*labels.shape, head.weight.shape[1])
     call = check_head_call(placeholder, head.weight, labels, head.bias, options, sampler)
@@ -564,6 +585,8 @@ def causal_lm_logprobs(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     with_kept_mass: bool = False,
+    capturable: bool = False,
+    row_capacity: int | None = None,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of a transformers causal LM, without its logits.
@@ -598,6 +621,9 @@ def causal_lm_logprobs(
             :func:`logitless.linear_logprobs`, over the ``[B, T]`` label positions (a CSR mask
             has ``B * T + 1`` offsets, row-major; padded ids are ``[B, T, K]``): the log-probs
             of the model's logits masked to each position's kept set.
+        capturable, row_capacity: as in :func:`logitless.linear_logprobs`; logitless's own
+            part of the call (targets, checks, head) then reads nothing on the host. Whether
+            the backbone does is the model's own (docs/capturable.md).
         **model_kwargs: passed to the backbone (e.g. flash-attention varlen arguments).
 
     Returns:
@@ -633,6 +659,7 @@ def _document_ids(
     position_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     input_ids: torch.Tensor,
+    capturable: bool,
 ) -> torch.Tensor | None:
     """The loss's sequences: as given; else the documents of cu_seqlens / position_ids
     (numbered row-major, padding -1); else None (each row one sequence)."""
@@ -646,7 +673,7 @@ def _document_ids(
             pos = pos.masked_fill(~attention_mask.bool(), -1)
     else:
         return None
-    return position_ids_to_document_ids(pos)
+    return position_documents(pos, capturable)
 
 
 class _Flattener:
@@ -698,6 +725,8 @@ def causal_lm_policy_loss(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     with_kept_mass: bool = False,
+    capturable: bool = False,
+    row_capacity: int | None = None,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy loss of a transformers causal LM: backbone, then :func:`fused_policy_loss`.
@@ -731,6 +760,8 @@ def causal_lm_policy_loss(
             :func:`logitless.policy_loss`.
         sampling_mask, top_k, top_p, min_p, with_kept_mass: sampling replay, as in
             :func:`causal_lm_logprobs` and :func:`logitless.fused_policy_loss`.
+        capturable, row_capacity: as in :func:`causal_lm_logprobs`; the loss's checks as in
+            :func:`logitless.policy_loss` with ``capturable=True``.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -759,7 +790,9 @@ def causal_lm_policy_loss(
     )
     prep = _prepare(model, batch, options, SamplerOptions.pick(given), model_kwargs)
     call = prep.call
-    document_ids = _document_ids(document_ids, attention_mask, position_ids, cu_seqlens, input_ids)
+    document_ids = _document_ids(
+        document_ids, attention_mask, position_ids, cu_seqlens, input_ids, prep.options.capturable
+    )
     loss_inputs = {"old_logprobs": old_logprobs, "advantages": advantages}
     loss_inputs |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
     if document_ids is not None:
