@@ -124,8 +124,9 @@ def _loss_kwargs(p, cfg):
     )
 
 
-def _run(kind, p, cfg, *, chunk_size=None, scale=1.0, temperature=1.0, backend="auto"):
-    """loss, metrics and grads of hidden / weight / bias for one implementation."""
+def _run(kind, p, cfg, *, chunk_size=None, scale=1.0, temperature=1.0, backend="auto", **head):
+    """loss, metrics and grads of hidden / weight / bias for one implementation; ``head``:
+    more options of the fused loss (e.g. ``capturable=True``)."""
     dtype = torch.float64 if kind == "truth" else p["hidden"].dtype
     h = p["hidden"].to(dtype).clone().requires_grad_()
     w = p["weight"].to(dtype).clone().requires_grad_()
@@ -145,6 +146,7 @@ def _run(kind, p, cfg, *, chunk_size=None, scale=1.0, temperature=1.0, backend="
             chunk_size=chunk_size,
             backend=backend,
             **kw,
+            **head,
         )
     else:
         if kind == "truth":

@@ -15,10 +15,13 @@ run in the test process.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import spawn
+from _host_reads import no_host_reads
 from _tolerance import assert_no_worse_than_reference
 
 from logitless import parallel
@@ -282,8 +285,9 @@ def _dim(stream: str) -> int:
     return 1 if stream == "rows" else 0
 
 
-def _run_case(name, dtype, rank, world, layout, group):
-    """This rank's loss share, gradients and metrics (single process when group is None)."""
+def _run_case(name, dtype, rank, world, layout, group, capturable=False):
+    """This rank's loss share, gradients and metrics (single process when group is None);
+    ``capturable``: in that mode, under tests/_host_reads.py's detector."""
     stream, cfg, adv_key, optional = CASES[name]
     d = _stream(stream, dtype)
     dim = _dim(stream)
@@ -296,6 +300,12 @@ def _run_case(name, dtype, rank, world, layout, group):
     lp = shard(d["lp"]).clone().requires_grad_()
     ent = shard(d["ent"]).clone().requires_grad_()
     adv = d[adv_key] if adv_key == "adv_seq" else shard(d[adv_key])
+    with no_host_reads() if capturable else contextlib.nullcontext():
+        return _loss_and_grads(name, d, shard, lp, ent, adv, group, capturable)
+
+
+def _loss_and_grads(name, d, shard, lp, ent, adv, group, capturable):
+    _, cfg, _, optional = CASES[name]
     loss, metrics = policy_loss(
         lp,
         shard(d["old"]),
@@ -308,6 +318,7 @@ def _run_case(name, dtype, rank, world, layout, group):
         entropy=ent if "ent" in optional else None,
         normalizer=NORMALIZER if name == "normalizer_scaled" else None,
         context_group=group,
+        capturable=capturable,
     )
     upstream = 0.7  # a non-unit upstream gradient
     (loss * upstream).backward()
@@ -443,7 +454,11 @@ def _worker(rank, world, plan):
                 )
     for layout, name in plan.get("chunked", []):
         results[("chunked", layout, name)] = _chunked_with_stats(name, rank, world, layout, group)
-    for layout in plan.get("normalizer", []):
+    for layout, name in plan.get("capturable", []):
+        results[("capturable", layout, name)] = _run_case(
+            name, torch.float64, rank, world, layout, group, capturable=True
+        )
+    for layout, capturable in plan.get("normalizer", []):
         norms = {}
         for stream in ("packed", "sparse", "rows"):
             d = _stream(stream, torch.float64)
@@ -454,9 +469,15 @@ def _worker(rank, world, plan):
             ids = None
             if d["ids"] is not None:
                 ids = [parallel.context_parallel_split(d["ids"], rank, world, layout=layout)]
-            n = loss_normalizer(masks * 2, None if ids is None else ids * 2, context_group=group)
+            with no_host_reads() if capturable else contextlib.nullcontext():
+                n = loss_normalizer(
+                    masks * 2,
+                    None if ids is None else ids * 2,
+                    context_group=group,
+                    capturable=capturable,
+                )
             norms[stream] = (float(n.num_tokens), float(n.num_sequences))
-        results[("normalizer", layout)] = norms
+        results[("normalizer", layout, capturable)] = norms
     if plan.get("errors"):
         results["errors"] = _errors(rank, group)
     return results
@@ -528,7 +549,8 @@ def two_ranks():
             ("contiguous", "cispo_ratio_masks"),
             ("zigzag", "sapo_sequence_tis_masks"),
         ],
-        normalizer=["contiguous", "zigzag"],
+        capturable=CAPTURABLE_RUNS,
+        normalizer=NORMALIZER_RUNS,
         errors=True,
     )
     return _spawn(2, plan)
@@ -613,16 +635,45 @@ def test_precomputed_document_stats_chunk_by_chunk(two_ranks, layout, name):
             torch.testing.assert_close(s1[field], b, **TIGHT)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_normalizer_counts_split_documents_once(two_ranks, layout):
-    got = two_ranks[0][("normalizer", layout)]
-    assert got == two_ranks[1][("normalizer", layout)]
+NORMALIZER_RUNS = [("contiguous", False), ("zigzag", False), ("zigzag", True)]
+
+
+@pytest.mark.parametrize("layout,capturable", NORMALIZER_RUNS)
+def test_normalizer_counts_split_documents_once(two_ranks, layout, capturable):
+    got = two_ranks[0][("normalizer", layout, capturable)]
+    assert got == two_ranks[1][("normalizer", layout, capturable)]
     for stream, counts in got.items():
         d = _stream(stream, torch.float64)
         ids = None if d["ids"] is None else [d["ids"]] * 2
         n = loss_normalizer([d["mask"]] * 2, ids)
         assert counts == (float(n.num_tokens), float(n.num_sequences)), stream
     assert got["packed"] == (2 * 16.0, 2 * 3.0)  # 16 valid tokens, docs 0-2 (doc 3 masked)
+
+
+CAPTURABLE_RUNS = [
+    ("zigzag", "ppo_token_kl_entropy"),
+    ("zigzag", "gspo_seq_mean_token_mean"),
+    ("zigzag", "sapo_sequence_tis_masks"),
+    ("zigzag", "sparse_token_mean_seq_tis"),
+    ("zigzag", "rows_gspo_sum_norm"),
+    ("contiguous", "sparse_gspo"),
+]
+
+
+@pytest.mark.parametrize("layout,name", CAPTURABLE_RUNS)
+def test_capturable_two_ranks_equal_one_process(two_ranks, layout, name):
+    """The capturable mode on the group (no host read on any rank): the same shares,
+    gradients and metrics as one process in the default mode."""
+    stream = CASES[name][0]
+    ranks = [r[("capturable", layout, name)] for r in two_ranks]
+    single = _run_case(name, torch.float64, 0, 1, layout, None)
+    torch.testing.assert_close(sum(r["loss"] for r in ranks), single["loss"], **TIGHT)
+    for key in ("g_lp", "g_ent"):
+        merged = _merge(ranks, key, layout, stream)
+        torch.testing.assert_close(merged, single[key], **TIGHT)
+    for k, v in single["metrics"].items():
+        for r in ranks:
+            torch.testing.assert_close(r["metrics"][k], v, **TIGHT, msg=f"{name} {k}")
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(two_ranks):

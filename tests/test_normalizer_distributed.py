@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import spawn
+from _host_reads import no_host_reads
 
 from logitless import PolicyLossConfig, loss_normalizer, parallel, policy_loss
 
@@ -160,7 +161,7 @@ def _pack(docs, indices, multiple=1):
     return mb
 
 
-def _mb_loss(model, mb, cfg, normalizer=None, context_group=None):
+def _mb_loss(model, mb, cfg, normalizer=None, context_group=None, capturable=False):
     logp = torch.log_softmax(model(mb["x"]), -1)  # [N, V]
     lp = logp.gather(1, mb["y"][:, None]).squeeze(1)
     ent = -(logp.exp() * logp).sum(-1)
@@ -175,6 +176,7 @@ def _mb_loss(model, mb, cfg, normalizer=None, context_group=None):
         entropy=ent,
         normalizer=normalizer,
         context_group=context_group,
+        capturable=capturable,
     )
 
 
@@ -197,7 +199,7 @@ def _whole_batch_grads():
     return out
 
 
-def _accumulate(model, micro_batches, cfg, normalizer, context_group=None):
+def _accumulate(model, micro_batches, cfg, normalizer, context_group=None, capturable=False):
     """Gradient accumulation over micro-batches, then the data-parallel gradient reduction.
 
     ``model`` is a DDP module (no_sync on all but the last micro-batch; DDP averages in the
@@ -211,7 +213,7 @@ def _accumulate(model, micro_batches, cfg, normalizer, context_group=None):
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last or not ddp else model.no_sync():
-            loss, metrics = _mb_loss(model, mb, cfg, normalizer, context_group)
+            loss, metrics = _mb_loss(model, mb, cfg, normalizer, context_group, capturable)
             loss.backward()
         loss_sum = loss_sum + metrics["loss"]
     weight = model.module.weight if ddp else model.weight
@@ -257,7 +259,7 @@ def test_ddp_with_loss_scale_gives_the_whole_batch_gradient(two_ranks):
 # (as DDP or FSDP over a mesh that folds the context-parallel ranks in would)
 
 
-def _mesh_worker(rank: int, world: int) -> list:
+def _mesh_worker(rank: int, world: int, capturable: bool) -> list:
     dp_rank, cp_rank = divmod(rank, 2)
     # every rank creates every group, in the same order
     cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -276,20 +278,24 @@ def _mesh_worker(rank: int, world: int) -> list:
     model = _model()
     results = []
     for cfg in DDP_CONFIGS:
-        norm = loss_normalizer(
-            [mb["mask"] for mb in mbs],
-            [mb["ids"] for mb in mbs],
-            process_group=dp_group,
-            context_group=cp_group,
-            loss_scale=world,  # the gradient average runs over all 4 ranks
-        )
-        loss, grad = _accumulate(model, mbs, cfg, norm, cp_group)
+        # capturable: no host read in the normalizer and the losses (tests/_host_reads.py)
+        with no_host_reads() if capturable else contextlib.nullcontext():
+            norm = loss_normalizer(
+                [mb["mask"] for mb in mbs],
+                [mb["ids"] for mb in mbs],
+                process_group=dp_group,
+                context_group=cp_group,
+                loss_scale=world,  # the gradient average runs over all 4 ranks
+                capturable=capturable,
+            )
+            loss, grad = _accumulate(model, mbs, cfg, norm, cp_group, capturable)
         results.append((loss, grad, norm.num_tokens, norm.num_sequences))
     return results
 
 
-def test_data_and_context_parallel_gives_the_whole_batch_gradient():
-    per_rank = spawn(_mesh_worker, 4, threads=1)
+@pytest.mark.parametrize("capturable", [False, True], ids=["default", "capturable"])
+def test_data_and_context_parallel_gives_the_whole_batch_gradient(capturable):
+    per_rank = spawn(_mesh_worker, 4, capturable, threads=1)
     whole = _whole_batch_grads()
     valid_tokens = sum(len(n) - 1 for n in (range(k) for k in DOC_LENGTHS))
     for i, (loss, grad) in enumerate(whole):

@@ -8,14 +8,16 @@ derived from the naive reference's error against float64 (tests/_tolerance.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import spawn
+from _host_reads import no_host_reads
 from _tolerance import FLOOR, assert_no_worse_than_reference
 
 from logitless import PolicyLossConfig, VocabParallel, fused_policy_loss, linear_logprobs
@@ -42,7 +44,7 @@ class Case:
     loss: PolicyLossConfig | None = None  # None: linear_logprobs; else fused_policy_loss
     seed: int = 0
     backend: str = "auto"
-    extra: dict = field(default_factory=dict)
+    capture: str = "off"  # capturable mode: "off" | "all" (every row) | "capacity" (row_capacity)
 
 
 HEAD_CASES = [
@@ -61,6 +63,9 @@ HEAD_CASES = [
     Case("hidden grad left to caller", reduce_hidden_grad=False, seed=5),
     Case("all ignored", ignored=1.0, seed=6),
     Case("logit scale softcap", logit_scale=0.6, softcap=3.0, temperature="tensor", seed=13),
+    Case("capturable every row", capture="all", temperature="tensor", seed=16),
+    Case("capturable row capacity bf16", capture="capacity", dtype=torch.bfloat16, seed=17),
+    Case("capturable all ignored", capture="capacity", ignored=1.0, seed=18),
 ]
 LOSS_CASES = [
     Case(
@@ -89,6 +94,20 @@ LOSS_CASES = [
         logit_scale=1.8,
         seed=14,
     ),
+    Case(
+        "capturable fused gspo row capacity",
+        loss=PolicyLossConfig(ratio_level="sequence", aggregation="seq_mean_token_mean"),
+        entropy=False,
+        capture="capacity",
+        chunk_size=16,
+        seed=19,
+    ),
+    Case(
+        "capturable fused dapo kl entropy",
+        loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01),
+        capture="all",
+        seed=20,
+    ),
 ]
 
 
@@ -108,6 +127,7 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
             seed=11,
         ),
         Case("triton logit scale", logit_scale=0.6, backend="triton", seed=15),
+        Case("triton capturable row capacity", capture="capacity", backend="triton", seed=21),
     ]
     LOSS_CASES += [
         Case(
@@ -172,6 +192,18 @@ def _run(case: Case, d: dict, dtype: torch.dtype, weight_rows=slice(None), vp=No
     kw["backend"] = case.backend if dtype != torch.float64 else "torch"
     if vp is not None:
         kw["vocab_parallel"] = vp
+    if case.capture != "off":
+        kw["capturable"] = True
+        if case.capture == "capacity":
+            kw["row_capacity"] = max(1, int((d["labels"] != -100).sum())) + 2
+    # The capturable mode: no host read anywhere in forward and backward (tests/_host_reads.py)
+    with no_host_reads() if case.capture != "off" else contextlib.nullcontext():
+        outputs, grads = _forward_backward(case, d, dtype, hidden, weight, bias, kw)
+    as64 = {k: v.detach().double() for k, v in {**outputs, **grads}.items() if v is not None}
+    return as64
+
+
+def _forward_backward(case, d, dtype, hidden, weight, bias, kw):
     if case.loss is None:
         out = linear_logprobs(
             hidden, weight, d["labels"], with_entropy=case.entropy, chunk_size=case.chunk_size, **kw
@@ -184,8 +216,7 @@ def _run(case: Case, d: dict, dtype: torch.dtype, weight_rows=slice(None), vp=No
     grads = {"hidden": hidden.grad, "weight": weight.grad}
     if bias is not None:
         grads["bias"] = bias.grad
-    as64 = {k: v.detach().double() for k, v in {**outputs, **grads}.items() if v is not None}
-    return as64
+    return outputs, grads
 
 
 def _loss(case, d, hidden, weight, dtype, kw):
