@@ -64,10 +64,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench",
         help="time and memory of each method on a task (log-probs + entropy, the fused "
-        "loss, sampling replay), forward + backward",
+        "loss, sampling replay, the capturable mode), forward + backward",
         description=(
             "Measure forward+backward of a task (--task logprobs: log-probs + entropy; loss: "
-            "the fused policy loss; replay: sampling replay) for each method, each in a fresh "
+            "the fused policy loss; replay: sampling replay; capturable: the capturable mode "
+            "against the default) for each method, each in a fresh "
             "subprocess: median time and peak extra memory, as ratios vs naive and vs a "
             "pure-matmul floor timed in the same run. Default shape: a Qwen2.5-0.5B-like "
             "head (H=896, V=151936), fp32. A run on a busy machine is flagged."

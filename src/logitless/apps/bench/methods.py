@@ -61,15 +61,26 @@ def _build_naive(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
-def _build_logitless(backend: str) -> Callable[[Workload, Inputs], Step]:
-    """The fused op: ``logitless.linear_logprobs(..., backend=backend)`` + backward."""
+def _build_logitless(backend: str, capture: str = "off") -> Callable[[Workload, Inputs], Step]:
+    """The fused op: ``logitless.linear_logprobs(..., backend=backend)`` + backward;
+    ``capture``: ``"off"`` (the default mode), ``"all"`` (``capturable=True``: every row) or
+    ``"capacity"`` (``capturable=True, row_capacity=`` the workload's valid rows)."""
 
     def build(work: Workload, inputs: Inputs) -> Step:
         from logitless import linear_logprobs
 
+        mode = {} if capture == "off" else {"capturable": True}
+        if capture == "capacity":
+            mode["row_capacity"] = work.valid_rows
+
         def step() -> None:
             out = linear_logprobs(
-                inputs.hidden, inputs.weight, inputs.labels, with_entropy=True, backend=backend
+                inputs.hidden,
+                inputs.weight,
+                inputs.labels,
+                with_entropy=True,
+                backend=backend,
+                **mode,
             )
             _backward(inputs, out.logprobs, out.entropy)
 
@@ -506,6 +517,31 @@ TASKS: dict[str, dict[str, Method]] = {
                 unavailable=_liger_loss_unavailable,
                 note=lambda w: "LigerFusedLinearGRPOLoss(loss_type='dapo'); all rows computed",
             ),
+        )
+    },
+    "capturable": {
+        m.name: m
+        for m in (
+            Method("naive", "baseline", _build_naive),
+            Method(
+                "logitless",
+                "op",
+                _build_logitless("auto"),
+                note=lambda w: "the default mode: the valid rows, their count read on the host",
+            ),
+            Method(
+                "capturable",
+                "op",
+                _build_logitless("auto", "all"),
+                note=lambda w: "capturable=True: every row projected, the ignored ones masked",
+            ),
+            Method(
+                "capacity",
+                "op",
+                _build_logitless("auto", "capacity"),
+                note=lambda w: f"capturable=True, row_capacity={w.valid_rows} (the valid rows)",
+            ),
+            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
         )
     },
     "replay": {

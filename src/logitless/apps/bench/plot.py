@@ -28,6 +28,7 @@ MIB = 1024 * 1024
 TASK_TITLES = {
     "logprobs": "log-probs + entropy, forward + backward",
     "loss": "LM head + policy loss (DAPO), forward + backward",
+    "capturable": "log-probs + entropy, capturable vs default mode, forward + backward",
 }
 BASELINE_COLOR = "#8c8c8c"  # naive
 OP_COLORS = ("#1f5fb4", "#4aa3df", "#0b3a75", "#7fb8e6")  # logitless's methods: blues
