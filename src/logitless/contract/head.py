@@ -268,19 +268,29 @@ def _label_message(options: HeadOptions, label_vocab: int) -> str:
 _TEMPERATURE_MESSAGE = "temperature must be finite and > 0 everywhere"
 
 
+def _label_flags(labels: torch.Tensor, options: HeadOptions, label_vocab: int):
+    """``[N]`` int64 labels, and where they are valid (not ``ignore_index``) and out of
+    ``[0, label_vocab)`` though valid."""
+    flat = labels.reshape(-1).long()
+    valid = flat != options.ignore_index
+    return flat, valid, valid & ((flat < 0) | (flat >= label_vocab))
+
+
+def _good_temperature(temp: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(temp) & (temp > 0)
+
+
 def _assert_values(
     labels: torch.Tensor, options: HeadOptions, label_vocab: int, stats_dtype: torch.dtype
 ) -> tuple[torch.Tensor | None, None]:
     """The capturable mode's value checks: device-side assertions with the messages of
     :func:`_check_values` (a ``RuntimeError`` on CPU, a device-side assert on CUDA), no host
     read; the number of valid rows stays unknown (None)."""
-    flat = labels.reshape(-1).long()
-    valid = flat != options.ignore_index
-    bad = valid & ((flat < 0) | (flat >= label_vocab))
+    _, _, bad = _label_flags(labels, options, label_vocab)
     torch._assert_async(~bad.any(), _label_message(options, label_vocab))
     temp = _temperature_rows(labels, options, stats_dtype)
     if temp is not None:
-        torch._assert_async((torch.isfinite(temp) & (temp > 0)).all(), _TEMPERATURE_MESSAGE)
+        torch._assert_async(_good_temperature(temp).all(), _TEMPERATURE_MESSAGE)
     return temp, None
 
 
@@ -291,13 +301,11 @@ def _check_values(
     (the one sync of a call). Returns the per-row temperature (``[N]`` in ``stats_dtype``, or
     None for a scalar) and the number of valid rows. Labels of every integer dtype are compared
     as int64 (a Python bound would wrap in uint8 / int8 / int16)."""
-    flat = labels.reshape(-1).long()
-    valid = flat != options.ignore_index
-    bad = valid & ((flat < 0) | (flat >= label_vocab))
+    flat, valid, bad = _label_flags(labels, options, label_vocab)
     counts = [valid.sum(), bad.sum()]
     temp = _temperature_rows(labels, options, stats_dtype)
     if temp is not None:
-        counts.append((~(torch.isfinite(temp) & (temp > 0))).sum())
+        counts.append((~_good_temperature(temp)).sum())
     num_valid, n_bad, *rest = torch.stack(counts).tolist() if flat.numel() else [0, 0]
     if n_bad:
         first = flat[bad][0].item()

@@ -170,7 +170,7 @@ def loss_normalizer(
     if check_flag("capturable", capturable):
         _check_loss_scale(loss_scale)
         ranks = 1 if cp is None else torch.distributed.get_world_size(cp)
-        counts = _capturable_counts(_local_counts(masks, document_ids, ranks), cp, dp)
+        counts = _counts(_local_counts(masks, document_ids, ranks), cp, dp)
         return LossNormalizer(counts[0], counts[1], loss_scale=loss_scale)
     error, local = None, None
     try:
@@ -198,16 +198,10 @@ def loss_normalizer(
                 f"rank: {k})"
             )
         if not any_failed and k_hi == -k_lo:
-            # per-document counts of every micro-batch in one buffer, plus the token count
-            per_doc = [sum_per_document(v.double(), Segments(seg.ids, size)) for v, seg in local]
-            tokens = sum(v.sum(dtype=torch.float64) for v, _ in local).reshape(1)
-            flat = collectives.all_reduce(torch.cat([*per_doc, tokens.to(device)]), cp, "sum")
-            docs = flat[:-1].reshape(k, size)  # [K, D]
-            counts = torch.stack([flat[-1], (docs > 0).sum(dtype=torch.float64)])
+            # every micro-batch's per-document buffer sized by the group's largest id
+            counts = _counts([(v, Segments(seg.ids, size)) for v, seg in local], cp)
     elif error is None:
-        for valid, seg in local:
-            per_doc = sum_per_document(valid.double(), seg)  # [D]
-            counts += torch.stack([valid.sum(dtype=torch.float64), (per_doc > 0).sum().double()])
+        counts = _counts(local)
     if dp is not None:
         counts = collectives.sum_or_raise(dp, counts, error, "loss_normalizer", "process_group")
     if error is not None:
@@ -215,10 +209,11 @@ def loss_normalizer(
     return LossNormalizer(num_tokens=counts[0], num_sequences=counts[1], loss_scale=loss_scale)
 
 
-def _capturable_counts(local: list[tuple[torch.Tensor, Segments]], cp, dp) -> torch.Tensor:
+def _counts(local: list[tuple[torch.Tensor, Segments]], cp=None, dp=None) -> torch.Tensor:
     """``[tokens, sequences]`` float64 of checked micro-batches, with no host read: the
-    per-document token counts of every micro-batch summed over ``cp`` in one buffer (each
-    micro-batch's sized from its shape), then the two counts over ``dp``."""
+    per-document token counts of every micro-batch (summed over ``cp`` in one buffer, each
+    micro-batch's sized by its segments), then the two counts (summed over ``dp``). The
+    capturable mode's path, and the default mode's without groups."""
     per_doc = [sum_per_document(v.double(), seg) for v, seg in local]  # each [size_k]
     tokens = torch.stack([v.sum(dtype=torch.float64) for v, _ in local]).sum().reshape(1)
     flat = torch.cat([*per_doc, tokens])
