@@ -71,7 +71,23 @@ def _config(name: str):
         "cohere": lambda: t.CohereConfig(**small, logit_scale=0.5),
         "granite": lambda: t.GraniteConfig(**small, logits_scaling=2.5),
         "cohere2": lambda: t.Cohere2Config(**small, logit_scale=0.5),
+        **{moe: (lambda moe=moe: _moe_config(moe, small)) for moe in MOE_MODELS},
     }[name]()
+
+
+# mixture-of-experts models: 4 experts, 2 per token, every layer sparse
+MOE_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def _moe_config(name: str, small: dict, **overrides):
+    t = transformers
+    experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.02, **overrides)
+    if name == "mixtral":
+        return t.MixtralConfig(**small, num_local_experts=4, **experts)
+    moe = dict(num_experts=4, moe_intermediate_size=16, decoder_sparse_step=1, **experts)
+    if name == "qwen2_moe":
+        return t.Qwen2MoeConfig(**small, shared_expert_intermediate_size=24, **moe)
+    return t.Qwen3MoeConfig(**small, **moe)
 
 
 # model name -> the transformers class the integration must recognise
@@ -88,6 +104,9 @@ ALL_MODELS = {
     "cohere": "CohereForCausalLM",
     "granite": "GraniteForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # the full matrix (dtypes x layouts x losses) runs on these
 MAIN_MODELS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
@@ -97,7 +116,9 @@ def _model(name: str, dtype: torch.dtype = torch.float32, *, bias: bool = False)
     """A tiny random model; lm_head weights large enough that logits reach ~±10 (so the
     softmax is far from uniform and Gemma's soft-cap of 3 changes every logit)."""
     torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(_config(name))
+    # MoE experts run the eager loop: the grouped-matmul kernel has no float64 (the truth copy)
+    extra = {"experts_implementation": "eager"} if name in MOE_MODELS else {}
+    model = transformers.AutoModelForCausalLM.from_config(_config(name), **extra)
     assert type(model).__name__ == ALL_MODELS[name]
     tied = model.lm_head.weight is model.get_input_embeddings().weight
     if bias:  # an lm_head with a bias, keeping the tie (if any) with the input embedding

@@ -11,10 +11,17 @@ including an input embedding tied to the head (its two gradients sum into one ``
 **Which models.** Only classes whose ``forward`` has been read and whose results the tests
 compare with ``model(...).logits`` (see :data:`SUPPORTED_MODELS`): the logits are
 ``lm_head(final hidden states)``, plus Gemma-2/3's final-logit soft-capping (passed to the op
-as ``softcap``) or Cohere's / Granite's constant logit scale (passed as ``logit_scale``).
-Anything else, including a subclass that overrides ``forward``, a head that is not a plain
-``nn.Linear`` and wrappers (PEFT's ``PeftModel``: pass ``peft_model.get_base_model()``), is
-refused with ``ValueError`` rather than risk different numbers.
+as ``softcap``) or Cohere's / Granite's constant logit scale (passed as ``logit_scale``); the
+mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral) add their router's load-balancing
+loss to :func:`causal_lm_policy_loss` as their forward does. Anything else, including a
+subclass that overrides ``forward`` and a head that is not a plain ``nn.Linear`` (LoRA on
+``lm_head``, quantized heads), is refused with ``ValueError`` rather than risk different
+numbers.
+
+**Wrapped models.** ``DistributedDataParallel``, FSDP2 (``fully_shard``) and PEFT LoRA models
+are accepted as they are: the backbone and the head run inside the outermost wrapper's
+forward (:func:`run_in_forward`), so gradients are reduced as for ``model(...)``. DeepSpeed
+engines and FSDP1 are refused (:mod:`logitless.integrations.wrappers`).
 
 **Alignment.** Results have ``input_ids``' shape ``[B, T]`` and are aligned like HF's logits:
 position ``t`` holds ``log p(target_ids[:, t] | input_ids[:, :t + 1])``, with the default
@@ -37,6 +44,7 @@ arguments.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,6 +65,7 @@ from ..packing import (
 )
 from ..sampling import SamplingMask
 from ..types import LogProbs
+from .wrappers import run_in_forward, unwrap
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -66,6 +75,8 @@ __all__ = [
     "causal_lm_labels",
     "causal_lm_logprobs",
     "causal_lm_policy_loss",
+    "causal_lm_router_aux_coef",
+    "run_in_forward",
 ]
 
 
@@ -105,9 +116,10 @@ def _granite_scale(model: nn.Module) -> tuple[float | None, float]:
 
 
 # Class name -> what its forward applies after ``lm_head``. Each entry's forward (transformers
-# 5.23; Cohere2: 5.24) is ``hidden = self.model(...).last_hidden_state;
+# 5.23; Cohere2 and the MoE models: 5.24) is ``hidden = self.model(...).last_hidden_state;
 # logits = self.lm_head(hidden)`` plus the transform named here, and tests/test_hf.py checks
-# each against ``model(...).logits``.
+# each against ``model(...).logits``. The MoE models' forwards add the router's
+# load-balancing loss (``causal_lm_router_aux_coef``); tests/test_hf_moe.py checks it.
 _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "LlamaForCausalLM": _no_transform,
     "MistralForCausalLM": _no_transform,
@@ -121,6 +133,9 @@ _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "CohereForCausalLM": _cohere_scale,
     "Cohere2ForCausalLM": _cohere_scale,
     "GraniteForCausalLM": _granite_scale,
+    "Qwen2MoeForCausalLM": _no_transform,
+    "Qwen3MoeForCausalLM": _no_transform,
+    "MixtralForCausalLM": _no_transform,
 }
 
 #: Names of the transformers classes the functions of this module accept.
@@ -162,9 +177,6 @@ def _audited_class(model: object) -> tuple[type, Callable]:
                     "hidden states and head weight instead."
                 )
             return cls, _AUDITED[cls.__name__]
-    hint = ""
-    if hasattr(model, "get_base_model"):
-        hint = " For a PEFT model, pass peft_model.get_base_model()."
     if type(model).__name__ == "OptimizedModule" and isinstance(
         getattr(model, "_orig_mod", None), nn.Module
     ):
@@ -179,7 +191,7 @@ def _audited_class(model: object) -> tuple[type, Callable]:
         f"{', '.join(SUPPORTED_MODELS)} (their logits are lm_head(final hidden states), with "
         "Gemma's soft-capping or Cohere's / Granite's logit scale). For another model, call "
         "logitless.linear_logprobs on its final hidden states and head weight after checking "
-        f"what its forward does to the logits.{hint}"
+        "what its forward does to the logits."
     )
 
 
@@ -201,6 +213,7 @@ def causal_lm_head(model: nn.Module) -> CausalLMHead:
     >>> head.weight.shape, head.bias, head.softcap, head.logit_scale
     (torch.Size([100, 16]), None, 30.0, 1.0)
     """
+    model = unwrap(model).model
     cls, transform = _audited_class(model)
     head = model.get_output_embeddings()
     if head is not getattr(model, "lm_head", None):
@@ -218,6 +231,13 @@ def causal_lm_head(model: nn.Module) -> CausalLMHead:
             "model.lm_head.forward was replaced on the instance (e.g. by an offloading or "
             "device-placement hook); logitless reads lm_head.weight directly and cannot "
             "reproduce it"
+        )
+    if type(head.weight).__name__ == "DTensor":
+        raise ValueError(
+            "model.lm_head.weight is a sharded DTensor here. Under FSDP2, call the logitless "
+            "functions with the model itself (they run inside its forward, where the root's "
+            "parameters are gathered) and keep lm_head in the root's FSDP group (fully_shard "
+            "the decoder layers, then the model), not in an FSDP unit of its own"
         )
     softcap, scale = transform(model)
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
@@ -478,18 +498,16 @@ class _ModelBatch(NamedTuple):
         )  # fmt: skip
         return t
 
-    def hidden_states(self, model: nn.Module, model_kwargs: dict[str, Any]) -> torch.Tensor:
-        """The backbone's final hidden states ``[B, T, H]`` (with ``cu_seqlens``, position ids
-        restarting at each document)."""
+    def backbone(
+        self, lm: nn.Module, model_kwargs: dict[str, Any], router_logits: bool = False
+    ) -> _Backbone:
+        """The backbone's outputs (with ``cu_seqlens``, position ids restarting at each
+        document); ``lm`` is the unwrapped model, called inside its wrapper's forward."""
         position_ids = _model_position_ids(
             self.position_ids, self.cu_seqlens, self.input_ids.shape[1]
         )
-        return causal_lm_hidden_states(
-            model,
-            self.input_ids,
-            attention_mask=self.attention_mask,
-            position_ids=position_ids,
-            **model_kwargs,
+        return _run_backbone(
+            lm, self.input_ids, self.attention_mask, position_ids, model_kwargs, router_logits
         )
 
 
@@ -546,23 +564,92 @@ def causal_lm_hidden_states(
     >>> causal_lm_hidden_states(transformers.LlamaForCausalLM(cfg), torch.ones(2, 5).long()).shape
     torch.Size([2, 5, 16])
     """
-    _audited_class(model)
-    backbone = _backbone(model)
     _check_model_kwargs(model_kwargs)
     input_ids = _check_input_ids(input_ids)
     if attention_mask is not None:
         _check_like_ids("attention_mask", attention_mask, input_ids, _MASK_DTYPES)
     if position_ids is not None:
         _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
-    out = backbone(
+    args = (input_ids, attention_mask, position_ids, model_kwargs)
+    return run_in_forward(model, lambda lm: _run_backbone(lm, *args).hidden)
+
+
+class _Backbone(NamedTuple):
+    """hidden: ``[B, T, H]`` final hidden states. router_logits: the MoE layers' router logits
+    (one ``[B * T, E]`` tensor per layer), when asked for."""
+
+    hidden: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+def _run_backbone(
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    model_kwargs: dict[str, Any],
+    router_logits: bool = False,
+) -> _Backbone:
+    """``lm.model(...)`` as the audited forwards call it (``use_cache=False``)."""
+    _audited_class(lm)
+    extra = {"output_router_logits": True} if router_logits else {}
+    out = _backbone(lm)(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
+        **extra,
         **model_kwargs,
     )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden
+    return _Backbone(hidden, tuple(out.router_logits) if router_logits else None)
+
+
+def _is_moe(lm: nn.Module) -> bool:
+    return hasattr(lm.config.get_text_config(), "output_router_logits")
+
+
+def causal_lm_router_aux_coef(model: nn.Module, coef: float | None = None) -> float:
+    """The weight of an MoE model's router load-balancing loss in a logitless loss.
+
+    ``coef=None`` follows the model's own forward: ``model.router_aux_loss_coef`` when
+    ``config.output_router_logits`` is True, else 0 (no router logits, no loss). A float is
+    used as given (TRL's ``router_aux_loss_coef``); 0 turns the loss off. A dense model has
+    no router: 0, and a non-zero float raises ``ValueError``.
+
+    >>> import transformers
+    >>> cfg = transformers.Qwen3MoeConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+    ...     moe_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+    ...     num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+    ...     output_router_logits=True, router_aux_loss_coef=0.01)
+    >>> causal_lm_router_aux_coef(transformers.Qwen3MoeForCausalLM(cfg))
+    0.01
+    """
+    lm = unwrap(model).model
+    _audited_class(lm)
+    if not _is_moe(lm):
+        if coef:
+            raise ValueError(
+                f"router_aux_loss_coef={coef}, but {type(lm).__name__} is not a "
+                "mixture-of-experts model: it has no router loss to weight"
+            )
+        return 0.0
+    if coef is None:
+        on = bool(lm.config.get_text_config().output_router_logits)
+        return float(lm.router_aux_loss_coef) if on else 0.0
+    if not (math.isfinite(float(coef)) and float(coef) >= 0):
+        raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {coef}")
+    return float(coef)
+
+
+def _router_aux_loss(
+    lm: nn.Module, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The load-balancing loss exactly as the model's forward computes it: its own module's
+    ``load_balancing_loss_func`` on the router logits, its expert counts, the attention mask."""
+    cls, _ = _audited_class(lm)
+    balance = sys.modules[cls.__module__].load_balancing_loss_func
+    return balance(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
 
 
 def causal_lm_logprobs(
@@ -605,7 +692,11 @@ def causal_lm_logprobs(
     ``lm_head`` would.)
 
     Args:
-        model: a causal LM of :data:`SUPPORTED_MODELS`; its ``forward`` is not called.
+        model: a causal LM of :data:`SUPPORTED_MODELS`, or one wrapped for training:
+            ``DistributedDataParallel``, FSDP2 ``fully_shard``, a PEFT LoRA ``PeftModel``
+            (see :mod:`logitless.integrations.wrappers`). Its ``forward`` is not called; the
+            backbone and the head run inside the outermost wrapper's forward, so DDP's
+            reducer and FSDP2's gathers and reduce-scatters work as for ``model(...)``.
         input_ids: ``[B, T]`` token ids.
         attention_mask, position_ids, cu_seqlens, response_mask: describe padding, packed
             documents and the response tokens, see :func:`causal_lm_labels`; attention_mask
@@ -647,8 +738,20 @@ def causal_lm_logprobs(
     batch = _ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    prep = _prepare(model, batch, HeadOptions.pick(given), SamplerOptions.pick(given), model_kwargs)
-    hidden = batch.hidden_states(model, model_kwargs)
+    options, sampler = HeadOptions.pick(given), SamplerOptions.pick(given)
+    return run_in_forward(model, _logprobs_in_forward, batch, options, sampler, model_kwargs)
+
+
+def _logprobs_in_forward(
+    lm: nn.Module,
+    batch: _ModelBatch,
+    options: HeadOptions,
+    sampler: SamplerOptions,
+    model_kwargs: dict[str, Any],
+) -> LogProbs:
+    """:func:`causal_lm_logprobs` on the unwrapped model, inside its wrapper's forward."""
+    prep = _prepare(lm, batch, options, sampler, model_kwargs)
+    hidden = batch.backbone(lm, model_kwargs).hidden
     with torch.autocast(hidden.device.type, enabled=False):
         return logprobs_of_call(with_hidden(prep.call, hidden, prep.options))
 
@@ -727,6 +830,7 @@ def causal_lm_policy_loss(
     with_kept_mass: bool = False,
     capturable: bool = False,
     row_capacity: int | None = None,
+    router_aux_loss_coef: float | None = None,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy loss of a transformers causal LM: backbone, then :func:`fused_policy_loss`.
@@ -762,6 +866,10 @@ def causal_lm_policy_loss(
             :func:`causal_lm_logprobs` and :func:`logitless.fused_policy_loss`.
         capturable, row_capacity: as in :func:`causal_lm_logprobs`; the loss's checks as in
             :func:`logitless.policy_loss` with ``capturable=True``.
+        router_aux_loss_coef: mixture-of-experts models: the weight of the router's
+            load-balancing loss added to the loss (computed from the same backbone call, as
+            the model's forward computes it, and reported as ``metrics["aux_loss"]``). None:
+            the model's own rule, see :func:`causal_lm_router_aux_coef`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -788,13 +896,41 @@ def causal_lm_policy_loss(
     batch = _ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    prep = _prepare(model, batch, options, SamplerOptions.pick(given), model_kwargs)
-    call = prep.call
-    document_ids = _document_ids(
-        document_ids, attention_mask, position_ids, cu_seqlens, input_ids, prep.options.capturable
-    )
     loss_inputs = {"old_logprobs": old_logprobs, "advantages": advantages}
     loss_inputs |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
+    loss_options = _LossOptions(config, document_ids, normalizer, router_aux_loss_coef)
+    return run_in_forward(
+        model, _policy_loss_in_forward, batch, options, SamplerOptions.pick(given),
+        model_kwargs, loss_inputs, loss_options,
+    )  # fmt: skip
+
+
+class _LossOptions(NamedTuple):
+    """The loss arguments of :func:`causal_lm_policy_loss` beyond the per-token inputs."""
+
+    config: PolicyLossConfig | None
+    document_ids: torch.Tensor | None
+    normalizer: LossNormalizer | None
+    router_aux_loss_coef: float | None
+
+
+def _policy_loss_in_forward(
+    lm: nn.Module,
+    batch: _ModelBatch,
+    options: HeadOptions,
+    sampler: SamplerOptions,
+    model_kwargs: dict[str, Any],
+    loss_inputs: dict[str, torch.Tensor | None],
+    loss_options: _LossOptions,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`causal_lm_policy_loss` on the unwrapped model, inside its wrapper's forward."""
+    aux_coef = causal_lm_router_aux_coef(lm, loss_options.router_aux_loss_coef)
+    prep = _prepare(lm, batch, options, sampler, model_kwargs)
+    call = prep.call
+    document_ids = _document_ids(
+        loss_options.document_ids, batch.attention_mask, batch.position_ids, batch.cu_seqlens,
+        batch.input_ids, prep.options.capturable,
+    )  # fmt: skip
     if document_ids is not None:
         # Sequences are documents, not rows: the loss sees the flat [N] token stream, where
         # per-sequence advantages are one per document id (policy_loss's packed form).
@@ -806,9 +942,15 @@ def causal_lm_policy_loss(
         call = call.replace(batch_shape=torch.Size([call.labels.numel()]))
     # The loss contract, checked once before the backbone.
     loss_call = check_loss_of_head(
-        call, config=config, document_ids=document_ids, normalizer=normalizer, **loss_inputs
-    )
-    hidden = batch.hidden_states(model, model_kwargs)
-    hidden = hidden.reshape(*call.batch_shape, hidden.shape[-1])
+        call, config=loss_options.config, document_ids=document_ids,
+        normalizer=loss_options.normalizer, **loss_inputs,
+    )  # fmt: skip
+    out = batch.backbone(lm, model_kwargs, router_logits=aux_coef != 0)
+    hidden = out.hidden.reshape(*call.batch_shape, out.hidden.shape[-1])
     with torch.autocast(hidden.device.type, enabled=False):
-        return fused_loss_of_call(with_hidden(call, hidden, prep.options), loss_call)
+        loss, metrics = fused_loss_of_call(with_hidden(call, hidden, prep.options), loss_call)
+    if out.router_logits is not None:
+        aux = _router_aux_loss(lm, out.router_logits, batch.attention_mask)
+        loss = loss + aux_coef * aux.to(loss.dtype)
+        metrics = {**metrics, "aux_loss": aux.detach().float()}
+    return loss, metrics
