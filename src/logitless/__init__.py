@@ -10,16 +10,19 @@ and document ids of packed streams), :mod:`logitless.parallel` (vocab / context 
 
 from . import advantages, losses, packing, parallel, reference  # noqa: F401  (importable by name)
 from .accumulation import StepAccumulator
+from .contract.divergence import TeacherTopK
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
 from .modules import LinearLogprobs, LogprobHead, PolicyLossHead
+from .ops.divergence.op import linear_divergence
 from .ops.fused_loss.op import fused_policy_loss
 from .ops.logprobs.op import linear_logprobs
 from .packing import next_token_labels
 from .parallel import VocabParallel
 from .sampling import SamplingMask
-from .types import LogProbs
+from .types import Divergence, LogProbs
 
 __all__ = [
+    "Divergence",
     "LinearLogprobs",
     "LogProbs",
     "LogprobHead",
@@ -28,8 +31,10 @@ __all__ = [
     "PolicyLossHead",
     "SamplingMask",
     "StepAccumulator",
+    "TeacherTopK",
     "VocabParallel",
     "fused_policy_loss",
+    "linear_divergence",
     "linear_logprobs",
     "loss_normalizer",
     "next_token_labels",

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from .contract.divergence import DivergenceOptions, TeacherTopK, check_divergence_call
 from .contract.head import check_head_call
 from .contract.options import HeadOptions, SamplerOptions
+from .ops.divergence.naive import naive_divergence
 from .ops.logprobs.naive import full_logits, naive_logprobs
 from .ops.replay.naive import kept_set, masked_logprobs
 from .sampling import SamplingMask
-from .types import LogProbs
+from .types import Divergence, LogProbs
 
-__all__ = ["kept_set", "linear_logprobs"]
+__all__ = ["kept_set", "linear_divergence", "linear_logprobs"]
 
 
 def linear_logprobs(
@@ -67,3 +69,52 @@ def linear_logprobs(
     if call.replay is not None:
         return masked_logprobs(call, logits)
     return naive_logprobs(call, logits)
+
+
+def linear_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    *,
+    teacher_topk: TeacherTopK | None = None,
+    beta: float = 0.0,
+    temperature: float | torch.Tensor = 1.0,
+    bias: torch.Tensor | None = None,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    teacher_logit_scale: float | None = None,
+    teacher_softcap: float | None = None,
+    vocab_size: int | None = None,
+    with_logprobs: bool = False,
+    with_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+) -> Divergence:
+    """:func:`logitless.linear_divergence` from both heads' full ``[..., V]`` logits.
+
+    Computes, in plain PyTorch (TRL's ``generalized_jsd_loss`` per token)::
+
+        lp_s = log_softmax(transform(F.linear(hidden, weight, bias).float()) / T)
+        lp_t = log_softmax(transform_t(F.linear(teacher_hidden, teacher_weight, ...)) / T)
+        beta 0: Σ p_t (lp_t - lp_s)    beta 1: Σ p_s (lp_s - lp_t)
+        else:   β·KL(p_t‖m) + (1-β)·KL(p_s‖m),   m = (1-β)·p_s + β·p_t
+
+    With ``teacher_topk`` the forward KL over the teacher's ids plus the tail bucket. Same
+    checks as the op; ``chunk_size`` is accepted and ignored.
+    """
+    given = locals()
+    call = check_divergence_call(
+        hidden,
+        weight,
+        labels,
+        bias,
+        (teacher_hidden, teacher_weight, teacher_bias),
+        teacher_topk,
+        HeadOptions.pick(given).replace(backend="torch"),
+        DivergenceOptions.pick(given),
+    )
+    return naive_divergence(call)

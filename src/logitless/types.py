@@ -67,3 +67,19 @@ class ReplayLogProbs(LogProbs):
 
 
 _REPLAY_FIELDS = ("label_added", "kept_size", "log_kept_mass")
+
+
+class Divergence(NamedTuple):
+    """Result of :func:`logitless.linear_divergence`.
+
+    divergence: ``[...]`` fp32 per-token divergence between the teacher's and the student's
+    next-token distributions (the TRL ``beta`` convention); 0.0 where the label is ignored.
+    logprobs: ``[...]`` fp32 student log-probability of each label (0.0 where ignored), or
+    ``None`` unless ``with_logprobs=True``.
+    entropy: ``[...]`` fp32 entropy of the student's distribution (0.0 where ignored), or
+    ``None`` unless ``with_entropy=True``.
+    """
+
+    divergence: torch.Tensor
+    logprobs: torch.Tensor | None
+    entropy: torch.Tensor | None

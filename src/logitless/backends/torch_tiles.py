@@ -237,7 +237,7 @@ def _exp_tile_to_dz(
     return e
 
 
-class _GradAccumulator:
+class GradAccumulator:
     """Accumulates dh [M, H], dW [V, H] and db [V] tile by tile; returns them in input dtypes.
 
     The weight gradient accumulates in fp32 when the parameter is lower precision and more than
@@ -305,7 +305,7 @@ def backward_rows(
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     hd = opts.head_dtype
-    acc = _GradAccumulator(hidden, weight, bias, needs, opts)
+    acc = GradAccumulator(hidden, weight, bias, needs, opts)
     if num_rows == 0:
         return acc.result()
     h_all = hidden.to(hd)
@@ -357,7 +357,7 @@ def fused_rows(
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     hd = opts.head_dtype
-    acc = _GradAccumulator(hidden, weight, bias, needs, opts)
+    acc = GradAccumulator(hidden, weight, bias, needs, opts)
     cd = opts.compute_dtype
     logp = torch.empty(num_rows, device=dev, dtype=cd)
     ent = torch.empty(num_rows, device=dev, dtype=cd) if opts.with_entropy else None

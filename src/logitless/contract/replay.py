@@ -126,9 +126,12 @@ def _mask_of(sampling_mask: object, batch_shape: torch.Size, device: torch.devic
     return ids.long(), offsets.long()
 
 
-def _check_mask_values(ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> None:
+def check_csr_ids(
+    ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int, name: str = "sampling_mask"
+) -> None:
     """CSR offsets start at 0, never decrease, end at ``nnz``; ids in range and distinct
-    within a position (one host read for the counts; the duplicate scan reads once more)."""
+    within a position (one host read for the counts; the duplicate scan reads once more).
+    ``name``: the argument named in the errors (a sampling mask, a teacher's top-k)."""
     device = ids.device
     counts = offsets[1:] - offsets[:-1]
     out_of_range = (ids < 0) | (ids >= vocab_size)
@@ -143,24 +146,23 @@ def _check_mask_values(ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int
     starts_off, decreasing, end_off, n_range = flags
     if starts_off:
         raise ValueError(
-            f"sampling_mask.offsets must start at 0, got {int(offsets[0])} (CSR row pointers "
+            f"{name}.offsets must start at 0, got {int(offsets[0])} (CSR row pointers "
             "over the label positions)"
         )
     if decreasing:
         first = int(torch.nonzero(counts < 0)[0, 0])
         raise ValueError(
-            f"sampling_mask.offsets must be non-decreasing, but offsets[{first + 1}] = "
+            f"{name}.offsets must be non-decreasing, but offsets[{first + 1}] = "
             f"{int(offsets[first + 1])} < offsets[{first}] = {int(offsets[first])}"
         )
     if end_off:
         raise ValueError(
-            f"sampling_mask.offsets must end at token_ids.numel() = {ids.numel()}, got "
-            f"{int(offsets[-1])}"
+            f"{name}.offsets must end at token_ids.numel() = {ids.numel()}, got {int(offsets[-1])}"
         )
     if n_range:
         first = int(ids[out_of_range][0])
         raise ValueError(
-            f"sampling_mask token ids must be in [0, {vocab_size}) (global vocabulary ids), "
+            f"{name} token ids must be in [0, {vocab_size}) (global vocabulary ids), "
             f"{n_range} are not, e.g. {first}"
         )
     if ids.numel():
@@ -171,7 +173,7 @@ def _check_mask_values(ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int
         if bool(dup.any()):
             k = int(srt[1:][dup][0])
             raise ValueError(
-                f"sampling_mask has a duplicate id: position {k // vocab_size} keeps id "
+                f"{name} has a duplicate id: position {k // vocab_size} keeps id "
                 f"{k % vocab_size} more than once (each kept id must appear once)"
             )
 
@@ -196,7 +198,7 @@ def check_sampler(
     device = labels.device
     if sampler.sampling_mask is not None:
         ids, offsets = _mask_of(sampler.sampling_mask, batch_shape, device)
-        _check_mask_values(ids, offsets, vocab_size)
+        check_csr_ids(ids, offsets, vocab_size)
         return ReplayArgs(vocab_size, ids, offsets, with_kept_mass=sampler.with_kept_mass)
     k, p, mp = (
         _parameter(name, getattr(sampler, name), batch_shape, device, vocab_size)
