@@ -78,6 +78,7 @@ SLOW_FILES = {
     "test_docs.py",
     "test_fsdp.py",
     "test_fused_parallel.py",
+    "test_hf_distributed.py",
     "test_losses_cp.py",
     "test_normalizer_distributed.py",
     "test_replay_parallel.py",

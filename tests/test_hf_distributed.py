@@ -1,0 +1,172 @@
+"""logitless.integrations.hf with wrapped models: DDP and FSDP2 on 2 gloo ranks (CPU).
+
+A tiny random Llama (tied or untied head) is wrapped in ``DistributedDataParallel``, or in
+FSDP2 the way accelerate shards it (``fully_shard`` on each decoder layer, then on the model,
+so the head is in the root's group). Each rank holds different rows of one batch and calls
+``hf.causal_lm_policy_loss`` / ``hf.causal_lm_logprobs`` with the *wrapped* model; the loss is
+normalized by the global counts (``loss_normalizer(..., process_group=..., loss_scale=2)``), so
+after the wrapper averages the gradients every rank holds the whole batch's gradient.
+
+Compared with one process on the whole batch: the ranks' losses sum to its loss, the log-probs
+of each rank's rows are its rows', and every parameter's gradient (FSDP2: gathered with
+``full_tensor()``) equals its gradient. The comparison is sensitive: calling the unwrapped model
+under DDP (what logitless did before it ran inside the wrapper's forward) leaves the gradients
+un-averaged and fails it (``test_bypassing_ddp_is_caught``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import spawn
+from torch import nn
+
+from logitless import PolicyLossConfig, loss_normalizer
+from logitless.integrations import hf
+
+transformers = pytest.importorskip("transformers")
+
+V = 67  # odd: FSDP2 shards the head's rows unevenly
+WORLD = 2
+ROWS = {0: [0, 1], 1: [2, 3, 4]}  # uneven rows per rank
+CONFIG = PolicyLossConfig(clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+
+
+def _model(tied: bool) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    return model.train()
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    B, T = 5, 9
+    ids = torch.randint(3, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b, pad in enumerate([0, 2, 3, 1, 4]):  # left padding
+        mask[b, :pad] = 0
+    response = torch.zeros(B, T, dtype=torch.bool)
+    response[:, 5:] = True
+    old = 0.1 * torch.randn(B, T, generator=g) - 4.0
+    return dict(
+        ids=ids, mask=mask, response=response, old=old, ref=old + 0.05,
+        adv=torch.randn(B, generator=g),
+    )  # fmt: skip
+
+
+def _rows(batch: dict, rows: list[int]) -> dict:
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def _loss_and_logprobs(model, b: dict, normalizer):
+    with torch.no_grad():
+        logprobs = hf.causal_lm_logprobs(
+            model, b["ids"], attention_mask=b["mask"], response_mask=b["response"]
+        ).logprobs
+    loss, _ = hf.causal_lm_policy_loss(
+        model, b["ids"], b["old"], b["adv"], config=CONFIG, attention_mask=b["mask"],
+        response_mask=b["response"], ref_logprobs=b["ref"], normalizer=normalizer,
+    )  # fmt: skip
+    return loss, logprobs
+
+
+def _wrap(model: nn.Module, kind: str) -> nn.Module:
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if kind == "fsdp2_head_apart":
+        fully_shard(model.lm_head)
+    return fully_shard(model)
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def _worker(rank: int, world: int, kind: str, tied: bool, bypass: bool = False):
+    torch.set_num_threads(1)
+    model = _model(tied)
+    wrapped = _wrap(model, kind)
+    b = _rows(_batch(), ROWS[rank])
+    labels = hf.causal_lm_labels(b["ids"], attention_mask=b["mask"], response_mask=b["response"])
+    normalizer = loss_normalizer(
+        [labels != -100], process_group=dist.group.WORLD, loss_scale=float(world)
+    )
+    target = wrapped.module if bypass else wrapped
+    loss, logprobs = _loss_and_logprobs(target, b, normalizer)
+    loss.backward()
+    grads = {n: _full(p.grad).clone() for n, p in wrapped.named_parameters()}
+    grads = {n.removeprefix("module."): g for n, g in grads.items()}
+    return loss.detach(), logprobs, grads
+
+
+def _one_process(tied: bool):
+    model = _model(tied)
+    b = _batch()
+    labels = hf.causal_lm_labels(b["ids"], attention_mask=b["mask"], response_mask=b["response"])
+    loss, logprobs = _loss_and_logprobs(model, b, loss_normalizer([labels != -100]))
+    loss.backward()
+    return loss.detach(), logprobs, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _compare(results, tied: bool):
+    loss, logprobs, grads = _one_process(tied)
+    total = sum(r[0] for r in results) / WORLD  # loss_scale=WORLD: DDP/FSDP2 average
+    torch.testing.assert_close(total, loss, rtol=1e-5, atol=1e-7)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r[1], logprobs[ROWS[rank]], rtol=1e-5, atol=1e-6)
+        assert set(r[2]) == set(grads)
+        for name, g in grads.items():
+            torch.testing.assert_close(r[2][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_wrapped_model_matches_one_process(kind, tied):
+    _compare(spawn(_worker, WORLD, kind, tied, threads=1), tied)
+
+
+def test_bypassing_ddp_is_caught():
+    """The inner model called directly (no reducer armed): the gradients stay per-rank, and
+    the comparison above fails on them."""
+    results = spawn(_worker, WORLD, "ddp", False, True, threads=1)
+    with pytest.raises(AssertionError):
+        _compare(results, False)
+
+
+def _head_apart_worker(rank: int, world: int):
+    model = _wrap(_model(False), "fsdp2_head_apart")
+    b = _batch()
+    try:
+        hf.causal_lm_logprobs(model, b["ids"], attention_mask=b["mask"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fsdp2_head_in_a_unit_of_its_own_is_refused():
+    messages = spawn(_head_apart_worker, WORLD, threads=1)
+    assert all("sharded DTensor" in m and "root's FSDP group" in m for m in messages), messages
+
+
+def test_unsupported_wrappers_are_refused():
+    model = _model(False)
+
+    class DeepSpeedEngine(nn.Module):  # the refusal goes by the engine's class name
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    ids = torch.randint(3, V, (1, 5))
+    with pytest.raises(ValueError, match="DeepSpeed engines are not supported"):
+        hf.causal_lm_logprobs(DeepSpeedEngine(model), ids)
