@@ -76,6 +76,7 @@ __all__ = [
     "causal_lm_logprobs",
     "causal_lm_policy_loss",
     "causal_lm_router_aux_coef",
+    "check_model",
     "run_in_forward",
 ]
 
@@ -213,6 +214,20 @@ def causal_lm_head(model: nn.Module) -> CausalLMHead:
     >>> head.weight.shape, head.bias, head.softcap, head.logit_scale
     (torch.Size([100, 16]), None, 30.0, 1.0)
     """
+    head, softcap, scale = check_model(model)
+    if type(head.weight).__name__ == "DTensor":
+        raise ValueError(
+            "model.lm_head.weight is a sharded DTensor here. Under FSDP2, call the logitless "
+            "functions with the model itself (they run inside its forward, where the root's "
+            "parameters are gathered) and keep lm_head in the root's FSDP group (fully_shard "
+            "the decoder layers, then the model), not in an FSDP unit of its own"
+        )
+    return CausalLMHead(head.weight, head.bias, softcap, scale)
+
+
+def check_model(model: nn.Module) -> tuple[nn.Linear, float | None, float]:
+    """Every check of :func:`causal_lm_head` that reads no parameter (so it holds outside an
+    FSDP2 forward too); returns the head module, its softcap and its logit scale."""
     model = unwrap(model).model
     cls, transform = _audited_class(model)
     head = model.get_output_embeddings()
@@ -232,19 +247,12 @@ def causal_lm_head(model: nn.Module) -> CausalLMHead:
             "device-placement hook); logitless reads lm_head.weight directly and cannot "
             "reproduce it"
         )
-    if type(head.weight).__name__ == "DTensor":
-        raise ValueError(
-            "model.lm_head.weight is a sharded DTensor here. Under FSDP2, call the logitless "
-            "functions with the model itself (they run inside its forward, where the root's "
-            "parameters are gathered) and keep lm_head in the root's FSDP group (fully_shard "
-            "the decoder layers, then the model), not in an FSDP unit of its own"
-        )
     softcap, scale = transform(model)
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"{cls.__name__}: final_logit_softcapping must be > 0, got {softcap}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{cls.__name__}: the logit scale must be finite and > 0, got {scale}")
-    return CausalLMHead(head.weight, head.bias, softcap, scale)
+    return head, softcap, scale
 
 
 def _backbone(model: nn.Module) -> nn.Module:

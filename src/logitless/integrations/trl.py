@@ -340,14 +340,35 @@ def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
 
 
 def _model_problem(model: nn.Module) -> str | None:
-    """Why logitless cannot run this (unwrapped) policy, or None."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return "a PEFT model (its adapters and reference handling are not covered by the tests)"
+    """Why logitless cannot run this policy (wrapped or not), or None."""
     try:
-        hf.causal_lm_head(model)
+        hf.check_model(model)
     except ValueError as e:
         return str(e)
     return None
+
+
+# accelerate's distributed types that wrap the model in DistributedDataParallel
+_DDP_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA")
+
+
+def _distributed_problem(accelerator: Any) -> str | None:
+    """Why logitless cannot run under this accelerate setup, or None."""
+    dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    if dist_type in _DDP_TYPES:
+        return None
+    if dist_type == "FSDP":
+        version = getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1)
+        if version == 2:
+            return None
+        return "FSDP1 (its flat parameters hide the head weight); set fsdp_version: 2"
+    if dist_type == "DEEPSPEED":
+        return (
+            "DeepSpeed (ZeRO-2 and ZeRO-3 cannot be tested on this project's machines, so "
+            "they are refused rather than risk unreduced or sharded head gradients); use DDP "
+            "or FSDP2 (fsdp_version: 2)"
+        )
+    return f"distributed type {dist_type} (tested: DDP and FSDP2)"
 
 
 def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
@@ -367,17 +388,13 @@ def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
         )
     if getattr(trainer, "_is_vlm", False):
         raise _unsupported("a vision-language model", "logitless handles text-only causal LMs")
-    dist_type = str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1]
-    if trainer.accelerator.num_processes != 1 or dist_type != "NO":
-        raise _unsupported(
-            f"distributed training ({dist_type}, {trainer.accelerator.num_processes} processes)",
-            "the loss calls the model's backbone directly, outside the DDP / FSDP / DeepSpeed "
-            "wrapper's forward, so their gradient reduction would not run; train on one process",
-        )
+    problem = _distributed_problem(trainer.accelerator)
+    if problem is not None:
+        raise _unsupported("this distributed setup", problem)
     for name, model in (("model", trainer.model), ("ref_model", trainer.ref_model)):
         if model is None:
             continue
-        problem = _model_problem(trainer.accelerator.unwrap_model(model))
+        problem = _model_problem(model)
         if problem is not None:
             raise _unsupported(f"this {name}", problem)
     return config
@@ -405,6 +422,20 @@ class _Layout(NamedTuple):
         full = full.to(mask.device)
         full[:, self.prompt :] = mask.bool()
         return full
+
+
+class _Step(NamedTuple):
+    """What one micro-batch's forward returns: the loss (the MoE router loss apart, TRL adds
+    it with its own weight) and the no-grad ``[B, C]`` tensors TRL logs from."""
+
+    loss: torch.Tensor
+    aux_loss: torch.Tensor | None
+    logps: torch.Tensor
+    old: torch.Tensor
+    advantages: torch.Tensor  # [B, 1] per sequence, or [B, C]
+    mask: torch.Tensor
+    ref: torch.Tensor | None
+    entropies: torch.Tensor
 
 
 def _head_kwargs(head: hf.CausalLMHead, temperature: float, device: torch.device) -> dict:
@@ -454,7 +485,6 @@ class LogitlessGRPOMixin:
             raise _unsupported(
                 ", ".join(given) or "compute_aux_loss", "logitless handles text-only causal LMs"
             )
-        net = self.accelerator.unwrap_model(model)
         total = input_ids.shape[1]
         layout = _Layout(total - logits_to_keep, logits_to_keep)
         response = attention_mask.bool().clone()
@@ -464,8 +494,8 @@ class LogitlessGRPOMixin:
         for start in range(0, input_ids.shape[0], batch_size):
             rows = slice(start, start + batch_size)
             with self.accelerator.autocast():
-                out = hf.causal_lm_logprobs(
-                    net,
+                out = hf.causal_lm_logprobs(  # inside the DDP / FSDP2 wrapper's forward
+                    model,
                     input_ids[rows],
                     attention_mask=attention_mask[rows],
                     response_mask=response[rows],
@@ -484,25 +514,44 @@ class LogitlessGRPOMixin:
         config = check_trainer(self)
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        net = self.accelerator.unwrap_model(model)
 
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         layout = _Layout(prompt_ids.shape[1], completion_ids.shape[1])
         if layout.prompt < 1:
             raise ValueError("LogitlessGRPOTrainer needs at least one prompt token per row")
+        # The backbone, the head and the loss run inside the wrapper's forward (DDP arms its
+        # reducer there; FSDP2 gathers the root's parameters, the head's among them).
+        step = hf.run_in_forward(model, self._logitless_step, inputs, opts, config, mode, layout)
+        loss = step.loss
+        if step.aux_loss is not None:  # TRL: the MoE router loss, per accumulation step
+            loss = loss + self.router_aux_loss_coef * step.aux_loss / accumulation
+            aux = self.accelerator.gather_for_metrics(step.aux_loss.detach())
+            self._metrics[mode]["aux_loss"].append(aux.mean().item())
+        self._logitless_log(opts, mode, loss, step, accumulation)
+        return loss
+
+    def _logitless_step(self, lm, inputs, opts: _Options, config, mode: str, layout: _Layout):
+        """One micro-batch's loss on the unwrapped model ``lm``, inside the wrapper's forward:
+        the backbone once, a no-grad head pass for the current log-probs and entropies (TRL's
+        metrics and masks, and the old log-probs on-policy), then the fused loss."""
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # [B, P+C]
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         mask = inputs["completion_mask"]  # [B, C], the loss mask
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         labels = hf.causal_lm_labels(
             input_ids, attention_mask=attention_mask, response_mask=layout.response_mask(mask)
         )
-        head = hf.causal_lm_head(net)
-
+        head = hf.causal_lm_head(lm)
         with self.accelerator.autocast():
-            hidden = hf.causal_lm_hidden_states(net, input_ids, attention_mask=attention_mask)
+            out = hf._run_backbone(
+                lm, input_ids, attention_mask, None, {}, router_logits=self.aux_loss_enabled
+            )
+            hidden = out.hidden
             head_kwargs = _head_kwargs(head, opts.temperature, hidden.device)
+        aux = None
+        if out.router_logits is not None:
+            aux = hf._router_aux_loss(lm, out.router_logits, attention_mask)
         with torch.autocast(hidden.device.type, enabled=False):
             with torch.no_grad():  # current log-probs and entropies: one head pass, no grad
                 now = linear_logprobs(
@@ -512,30 +561,12 @@ class LogitlessGRPOMixin:
             entropies = layout.to_trl(now.entropy)  # [B, C]
             old = inputs.get("old_per_token_logps")
             old = logps if old is None else old  # on-policy: π_old = sg(π_θ)
-
             advantages = inputs["advantages"]
             if advantages.dim() == 1:
                 advantages = advantages.unsqueeze(1)
-            # TRL's masks on the policy term, folded into per-token advantages: every
-            # surrogate is -A·f(r) up to where A's sign is read, so A·keep drops the term.
-            keep = torch.ones_like(mask, dtype=logps.dtype)
-            entropy_mask = None
-            if opts.top_entropy_quantile < 1.0:
-                entropy_mask = self.get_high_entropy_mask(
-                    entropies, mask, 1 - opts.top_entropy_quantile
-                )
-                keep = keep * entropy_mask
-            if self.off_policy_mask_threshold is not None:
-                sampling = inputs.get("sampling_per_token_logps", old)
-                keep = keep * self.get_off_policy_mask(
-                    advantages=advantages,
-                    per_token_logps=logps,
-                    sampling_per_token_logps=sampling,
-                    mask=mask,
-                    off_policy_threshold=self.off_policy_mask_threshold,
-                )
-            token_advantages = (advantages * keep).float()  # [B, C]
-
+            token_advantages = self._logitless_advantages(
+                opts, inputs, advantages, logps, old, entropies, mask
+            )
             rollout = None
             if opts.vllm_is:  # vLLM could not score some tokens (NaN): no correction there
                 sampling = inputs["sampling_per_token_logps"]
@@ -557,11 +588,26 @@ class LogitlessGRPOMixin:
                 normalizer=normalizer,
                 **head_kwargs,
             )
+        return _Step(loss, aux, logps, old, advantages, mask, ref, entropies)
 
-        self._logitless_log(
-            opts, mode, loss, logps, old, advantages, mask, ref, entropies, accumulation
-        )
-        return loss
+    def _logitless_advantages(
+        self, opts: _Options, inputs, advantages, logps, old, entropies, mask
+    ):
+        """``[B, C]`` per-token advantages with TRL's masks on the policy term folded in: every
+        surrogate is -A·f(r) up to where A's sign is read, so A·keep drops the term."""
+        keep = torch.ones_like(mask, dtype=logps.dtype)
+        if opts.top_entropy_quantile < 1.0:
+            keep = keep * self.get_high_entropy_mask(entropies, mask, 1 - opts.top_entropy_quantile)
+        if self.off_policy_mask_threshold is not None:
+            sampling = inputs.get("sampling_per_token_logps", old)
+            keep = keep * self.get_off_policy_mask(
+                advantages=advantages,
+                per_token_logps=logps,
+                sampling_per_token_logps=sampling,
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
+        return (advantages * keep).float()
 
     def _logitless_normalizer(self, opts: _Options, inputs, mask, mode):
         """TRL's denominators of this micro-batch as a LossNormalizer, and the factor that
@@ -586,10 +632,10 @@ class LogitlessGRPOMixin:
         count = own if scale != 1.0 else tokens
         return LossNormalizer(num_tokens=count, num_sequences=rows, loss_scale=scale), entropy_scale
 
-    def _logitless_log(
-        self, opts, mode, loss, logps, old, advantages, mask, ref, entropies, accumulation
-    ):
+    def _logitless_log(self, opts: _Options, mode: str, loss, step: _Step, accumulation: int):
         """The metrics ``GRPOTrainer._compute_loss`` logs, from the no-grad log-probs."""
+        logps, old, advantages, mask = step.logps, step.old, step.advantages, step.mask
+        ref, entropies = step.ref, step.entropies
         metrics = self._metrics[mode]
         maskf = mask.float()
         log_ratio = logps - old
