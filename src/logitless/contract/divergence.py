@@ -167,7 +167,7 @@ def check_divergence_call(
     vp = options.vocab_parallel
 
     def own_rules() -> int:
-        return _check_divergence_rules(weight, teacher, teacher_topk, options, div)
+        return _check_divergence_rules(weight, bias, teacher, teacher_topk, options, div)
 
     vocab = _agreed(own_rules, vp, labels)
     options = dataclasses.replace(options, backend="torch")
@@ -210,7 +210,9 @@ def _prefix(t: object, vocab: int | None) -> object:
     return t[:vocab]
 
 
-def _check_divergence_rules(weight, teacher, teacher_topk, options: HeadOptions, div) -> int | None:
+def _check_divergence_rules(
+    weight, bias, teacher, teacher_topk, options: HeadOptions, div
+) -> int | None:
     """Which teacher, frozen teacher tensors, the backend, top-k only with ``beta=0``;
     returns the common vocabulary (rows of each head used; None: the heads as given)."""
     if options.backend == "triton":
@@ -236,7 +238,20 @@ def _check_divergence_rules(weight, teacher, teacher_topk, options: HeadOptions,
         return _check_vocab_size(None, None, div, options)  # the head check says what is wrong
     t_weight = teacher[1] if teacher_topk is None else None
     t_vocab = t_weight.shape[0] if isinstance(t_weight, torch.Tensor) and t_weight.dim() else None
-    return _check_vocab_size(weight.shape[0], t_vocab, div, options)
+    vocab = _check_vocab_size(weight.shape[0], t_vocab, div, options)
+    if vocab is not None:  # each bias matches its own head before both are cut to vocab rows
+        _check_bias_rows("bias", bias, weight.shape[0])
+        if t_vocab is not None:
+            _check_bias_rows("teacher_bias", teacher[2], t_vocab)
+    return vocab
+
+
+def _check_bias_rows(name: str, bias: object, rows: int) -> None:
+    if isinstance(bias, torch.Tensor) and (bias.dim() != 1 or bias.shape[0] != rows):
+        raise ValueError(
+            f"{name} must be a floating tensor of shape [{rows}] (its head's rows), got "
+            f"{fmt_shape(bias)}"
+        )
 
 
 def _check_teacher_given(teacher, teacher_topk) -> None:

@@ -8,7 +8,8 @@ With the teacher's log-probs ``lp_t`` over a row's ids ``K`` and its tail mass
     dD/dz_s,j = p_s,j - p_t,j              for j in K
               = p_s,j·(1 - τ_t / τ_s)      for j outside K
 
-(the teacher's tail spread over the student's tail in the student's proportions). The
+(the teacher's tail spread over the student's tail in the student's proportions; the two
+cases are written per entry, since ``(1 - r) + r`` at the ids cancels for a large ratio). The
 student's tail is summed over the columns outside ``K`` (the kept columns zeroed in the tile
 of ``exp``), never as ``1 - Σ_K p_s``, which cancels when ``K`` holds almost all the mass.
 """
@@ -44,15 +45,12 @@ def outside_sum(e: torch.Tensor, ids: torch.Tensor, v0: int) -> torch.Tensor:
     return e.sum(1)
 
 
-def divergence(
-    picked: torch.Tensor, lse: torch.Tensor, log_tail_s: torch.Tensor, teacher
-) -> torch.Tensor:
+def divergence(lp_s: torch.Tensor, log_tail_s: torch.Tensor, teacher) -> torch.Tensor:
     """``[R]`` forward KL over the ids plus the tail bucket.
 
-    picked: ``[R, K]`` student logits at the ids; lse: ``[R]`` the student's log-sum-exp;
-    log_tail_s: ``[R]`` log of its tail; teacher: the rows' :class:`TopKRows`.
+    lp_s: ``[R, K]`` student log-probs at the ids; log_tail_s: ``[R]`` log of its tail;
+    teacher: the rows' :class:`TopKRows`.
     """
-    lp_s = picked - lse[:, None]
     p_t = torch.where(teacher.used, teacher.logprobs.exp(), 0.0)
     head = (p_t * (teacher.logprobs - lp_s)).sum(1)
     tail_t = teacher.log_tail.exp()
@@ -65,15 +63,22 @@ def tail_ratio(log_tail_t: torch.Tensor, log_tail_s: torch.Tensor) -> torch.Tens
     return torch.where(log_tail_t > -math.inf, (log_tail_t - log_tail_s).exp(), 0.0)
 
 
-def add_kept_grad(
-    dz: torch.Tensor, p: torch.Tensor, teacher, ratio: torch.Tensor, d: torch.Tensor, v0: int
-) -> None:
-    """``dz[i, k] += d_i·(p_s,k·r_i - p_t,k)`` for the ids inside this tile (in place).
+def kept_factor(
+    out: torch.Tensor, scratch: torch.Tensor, ids: torch.Tensor, v0: int, d, ratio
+) -> torch.Tensor:
+    """``out`` ``[R, Vb]`` <- ``u·d``, where the divergence's gradient is ``p_s ⊙ u·d`` minus
+    ``d·p_t`` at the ids: ``u = 1`` at the ids, ``1 - τ_t/τ_s`` elsewhere. Written per entry,
+    not as ``(1 - r) + r`` at the ids, which cancels when the ratio ``r`` is large.
+    ``scratch``: a free tile (overwritten with the ids' membership); d: ``[R, 1]``; ratio:
+    ``[R]``."""
+    col, inside = slots(ids, v0, out.shape[1])
+    member = scratch.zero_().scatter_add_(1, col, inside.to(scratch.dtype))  # 1 at the ids
+    return torch.where(member > 0, d, (1.0 - ratio)[:, None] * d, out=out)
 
-    p: the tile's student probabilities ``[R, Vb]``; ratio: ``[R]`` ``τ_t / τ_s``; d: ``[R, 1]``
-    the divergence's upstream gradient (with the transform's row factor).
-    """
+
+def add_teacher_term(dz: torch.Tensor, teacher, d: torch.Tensor, v0: int) -> None:
+    """``dz[i, k] -= d_i·p_t,k`` for the ids inside this tile (in place); d: ``[R, 1]``, the
+    divergence's upstream gradient with the transform's row factor."""
     col, inside = slots(teacher.ids, v0, dz.shape[1])
     p_t = torch.where(teacher.used, teacher.logprobs.exp(), 0.0)
-    value = (p.gather(1, col) * ratio[:, None] - p_t) * d
-    dz.scatter_add_(1, col, torch.where(inside, value, 0.0))
+    dz.scatter_add_(1, col, torch.where(inside, -p_t * d, 0.0))
