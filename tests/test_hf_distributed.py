@@ -1,8 +1,9 @@
 """logitless.integrations.hf with wrapped models: DDP and FSDP2 on 2 gloo ranks (CPU).
 
 A tiny random Llama (tied or untied head) is wrapped in ``DistributedDataParallel``, or in
-FSDP2 the way accelerate shards it (``fully_shard`` on each decoder layer, then on the model,
-so the head is in the root's group). Each rank holds different rows of one batch and calls
+FSDP2: ``fully_shard`` on each decoder layer, then on the model (the head in the root's group),
+or with ``lm_head`` a unit of its own as accelerate's FSDP2 shards it. Each rank holds
+different rows of one batch and calls
 ``hf.causal_lm_policy_loss`` / ``hf.causal_lm_logprobs`` with the *wrapped* model; the loss is
 normalized by the global counts (``loss_normalizer(..., process_group=..., loss_scale=2)``), so
 after the wrapper averages the gradients every rank holds the whole batch's gradient.
@@ -130,9 +131,13 @@ def _compare(results, tied: bool):
             torch.testing.assert_close(r[2][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    ("kind", "tied"),
+    [("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True), ("fsdp2_head_apart", False)],
+)
 def test_wrapped_model_matches_one_process(kind, tied):
+    """fsdp2_head_apart: lm_head an FSDP2 unit of its own (as accelerate shards it); the head
+    then runs inside lm_head's forward, its weight gathered there."""
     _compare(spawn(_worker, WORLD, kind, tied, threads=1), tied)
 
 
@@ -144,19 +149,19 @@ def test_bypassing_ddp_is_caught():
         _compare(results, False)
 
 
-def _head_apart_worker(rank: int, world: int):
-    model = _wrap(_model(False), "fsdp2_head_apart")
-    b = _batch()
+def _outside_worker(rank: int, world: int):
+    model = _wrap(_model(False), "fsdp2")
     try:
-        hf.causal_lm_logprobs(model, b["ids"], attention_mask=b["mask"])
+        hf.causal_lm_head(model)
     except ValueError as e:
         return str(e)
     return "no error"
 
 
-def test_fsdp2_head_in_a_unit_of_its_own_is_refused():
-    messages = spawn(_head_apart_worker, WORLD, threads=1)
-    assert all("sharded DTensor" in m and "root's FSDP group" in m for m in messages), messages
+def test_fsdp2_head_outside_the_forward_is_refused():
+    """Outside the model's forward the head weight is a shard: causal_lm_head says so."""
+    messages = spawn(_outside_worker, WORLD, threads=1)
+    assert all("sharded DTensor" in m for m in messages), messages
 
 
 def test_unsupported_wrappers_are_refused():

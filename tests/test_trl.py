@@ -47,38 +47,47 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny random Qwen2 saved locally (the trainer loads the policy, and with beta > 0 the
-    reference model, from this path); the word-level tokenizer is kept in memory."""
+def make_tokenizer():
+    """A word-level tokenizer over V ids: <pad>, <eos>, <bos>, w0 .. w{V-4}."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = {"<pad>": 0, "<eos>": EOS, "<bos>": 2, **{f"w{i}": i + 3 for i in range(V - 3)}}
     tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
     )
-    config = transformers.Qwen2Config(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
-        eos_token_id=EOS,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
+
+
+def save_model(path, *, tied: bool = False, moe: bool = False) -> str:
+    """A tiny random Qwen2 (or Qwen3-MoE: 4 experts, 2 per token, router loss on) saved at
+    ``path``; its tokenizer registered in memory. Returns ``str(path)``."""
+    small = dict(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=EOS,
+        bos_token_id=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    if moe:
+        config = transformers.Qwen3MoeConfig(
+            **small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+            output_router_logits=True, router_aux_loss_coef=0.02,
+        )  # fmt: skip
+    else:
+        config = transformers.Qwen2Config(**small)
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # logits of a few units: a peaked, non-uniform softmax
         model.lm_head.weight.normal_(0.0, 0.5)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
     model.save_pretrained(path)
-    _TOKENIZERS[str(path)] = tokenizer
+    _TOKENIZERS[str(path)] = make_tokenizer()
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen2 saved locally (the trainer loads the policy, and with beta > 0 the
+    reference model, from this path); the word-level tokenizer is kept in memory."""
+    return save_model(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
 _TOKENIZERS: dict = {}
@@ -112,13 +121,14 @@ def _args(tmp_path, **overrides):
     return trl.GRPOConfig(**base)
 
 
-def _trainer(cls, model_dir, args, **attrs):
+def _trainer(cls, model_dir, args, peft_config=None, **attrs):
     trainer = cls(
         model=model_dir,
         reward_funcs=_reward,
         args=args,
         train_dataset=_dataset(),
         processing_class=_TOKENIZERS[model_dir],
+        peft_config=peft_config,
     )
     for name, value in attrs.items():
         setattr(trainer, name, value)
@@ -355,9 +365,8 @@ def test_loss_configs_of_trl_presets():
 # a short training run, stock vs adapter
 
 
-def _train(cls, model_dir, tmp_path, **options):
-    args = _args(
-        tmp_path,
+def _train(cls, model_dir, tmp_path, peft_config=None, **options):
+    args = dict(
         per_device_train_batch_size=4,
         num_generations=4,
         gradient_accumulation_steps=2,
@@ -366,9 +375,9 @@ def _train(cls, model_dir, tmp_path, **options):
         max_completion_length=6,
         optim="sgd",
         learning_rate=0.05,
-        **options,
     )
-    trainer = _trainer(cls, model_dir, args)
+    args = _args(tmp_path, **(args | options))
+    trainer = _trainer(cls, model_dir, args, peft_config)
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return trainer.state.log_history, params
@@ -384,8 +393,15 @@ def test_train_matches_trl(options, model_dir, tmp_path):
     log-probs on the second), gradient accumulation 2: the same losses, metrics and weights."""
     stock_log, stock_params = _train(trl.GRPOTrainer, model_dir, tmp_path / "a", **options)
     ours_log, ours_params = _train(LogitlessGRPOTrainer, model_dir, tmp_path / "b", **options)
+    moved = assert_same_run(stock_log, stock_params, ours_log, ours_params, _initial(model_dir))
+    assert moved > 0  # the run trained
+
+
+def assert_same_run(stock_log, stock_params, ours_log, ours_params, initial) -> int:
+    """The same logged losses and metrics and the same final weights (TRL's float rounding
+    aside); returns how many parameters moved from ``initial``."""
     steps = [e for e in stock_log if "loss" in e]
-    assert len(steps) == 2 and len([e for e in ours_log if "loss" in e]) == 2
+    assert len(steps) >= 2 and len([e for e in ours_log if "loss" in e]) == len(steps)
     for s, o in zip(stock_log, ours_log, strict=True):
         assert set(s) == set(o)
         for key in s:
@@ -395,10 +411,11 @@ def test_train_matches_trl(options, model_dir, tmp_path):
                 continue
             assert o[key] == pytest.approx(s[key], rel=2e-4, abs=1e-6), key
     moved = 0
+    assert set(ours_params) == set(stock_params)
     for name, p in stock_params.items():
         torch.testing.assert_close(ours_params[name], p, rtol=1e-5, atol=1e-6, msg=name)
-        moved += int(not torch.equal(p, _initial(model_dir)[name]))
-    assert moved > 0  # the run trained
+        moved += int(name not in initial or not torch.equal(p, initial[name]))
+    return moved
 
 
 def _initial(model_dir, _cache={}):  # noqa: B006 (a per-process cache)
@@ -588,3 +605,56 @@ def test_module_doctests():
 
     result = doctest.testmod(module, raise_on_error=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA (PEFT) and a mixture-of-experts model, single process
+
+
+def test_lora_train_matches_trl(model_dir, tmp_path):
+    """A LoRA adapter on the attention projections, beta > 0 (the reference log-probs come
+    from the policy with its adapter disabled): the same run as TRL's, and only the adapters
+    move."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    options = {"beta": 0.05, "learning_rate": 0.5}
+    stock = _train(trl.GRPOTrainer, model_dir, tmp_path / "a", lora, **options)
+    ours = _train(LogitlessGRPOTrainer, model_dir, tmp_path / "b", lora, **options)
+    # the base model's parameters under PEFT's names (prefixed, a wrapped layer's in base_layer)
+    initial = _initial(model_dir)
+    base = {
+        n: initial[n.removeprefix("base_model.model.").replace("base_layer.", "")]
+        for n in ours[1]
+        if "lora_" not in n
+    }
+    moved = assert_same_run(*stock, *ours, base)
+    lora_params = [n for n in ours[1] if "lora_" in n]
+    assert lora_params and moved == len(lora_params)  # the adapters, and nothing else
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return save_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), moe=True)
+
+
+def test_moe_loss_and_train_match_trl(moe_dir, tmp_path):
+    """Qwen3-MoE with the router load-balancing loss (the config's coefficient): the loss,
+    every gradient (the routers' included) and the aux_loss metric equal TRL's; then a short
+    train()."""
+    args = _args(tmp_path)
+    ours = _trainer(LogitlessGRPOTrainer, moe_dir, args)
+    stock = _trainer(trl.GRPOTrainer, moe_dir, args)
+    assert stock.aux_loss_enabled and stock.router_aux_loss_coef == 0.02
+    inputs = _batch(stock, ("off_policy",))
+    for t in (ours, stock):
+        t.current_gradient_accumulation_steps = 2
+        t.model.train()
+    a, b = _loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+    assert a[2]["aux_loss"] == pytest.approx(b[2]["aux_loss"], rel=1e-5)
+    assert set(a[1]) == set(b[1]) and any("gate" in k for k in b[1])
+    for k in b[1]:
+        torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
+    stock_run = _train(trl.GRPOTrainer, moe_dir, tmp_path / "a")
+    ours_run = _train(LogitlessGRPOTrainer, moe_dir, tmp_path / "b")
+    assert assert_same_run(*stock_run, *ours_run, _initial(moe_dir)) > 0

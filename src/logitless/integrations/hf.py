@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ..contract.checks import fmt_shape as _shape
+from ..contract.checks import is_dtensor
 from ..contract.head import HeadCall, check_head_call, with_hidden
 from ..contract.options import Backend, HeadOptions, SamplerOptions
 from ..losses import LossNormalizer, PolicyLossConfig
@@ -65,7 +66,7 @@ from ..packing import (
 )
 from ..sampling import SamplingMask
 from ..types import LogProbs
-from .wrappers import run_in_forward, unwrap
+from .wrappers import FSDPModule, run_in_forward, unwrap
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -253,6 +254,32 @@ def check_model(model: nn.Module) -> tuple[nn.Linear, float | None, float]:
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{cls.__name__}: the logit scale must be finite and > 0, got {scale}")
     return head, softcap, scale
+
+
+def _stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded parameter's dtype, device, global shape and requires_grad, without its
+    values (an expanded 0-dim tensor): enough for the head contract's checks."""
+    if t is None or not is_dtensor(t):
+        return t
+    zero = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+    return zero.expand(t.shape)
+
+
+def _head_for_checks(model: nn.Module) -> CausalLMHead:
+    """The head as the checks before the backbone see it: the parameters themselves, or when
+    FSDP2 shards ``lm_head`` as a unit of its own (accelerate does), stand-ins of its gathered
+    parameters (the real ones exist inside its forward, see :func:`_with_head`)."""
+    head, softcap, scale = check_model(model)
+    if not isinstance(head, FSDPModule):
+        return causal_lm_head(model)
+    return CausalLMHead(_stand_in(head.weight), _stand_in(head.bias), softcap, scale)
+
+
+def _with_head(lm: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(head, *args)`` with the head's parameters ready: inside ``lm_head``'s own forward
+    when FSDP2 shards it as a unit of its own (its weight gathered once for the call, its
+    gradient reduce-scattered after backward), else a plain call."""
+    return run_in_forward(lm.lm_head, lambda _: fn(causal_lm_head(lm), *args))
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -537,7 +564,7 @@ def _prepare(
     """Every check that needs no FLOP, before the backbone runs: model, inputs, targets, and
     the head contract (one check: label range, temperature, dtypes, devices, backend, the
     sampler's kept sets)."""
-    head = causal_lm_head(model)
+    head = _head_for_checks(model)
     _backbone(model)
     _check_model_kwargs(model_kwargs)
     input_ids = _check_input_ids(batch.input_ids)
@@ -760,8 +787,13 @@ def _logprobs_in_forward(
     """:func:`causal_lm_logprobs` on the unwrapped model, inside its wrapper's forward."""
     prep = _prepare(lm, batch, options, sampler, model_kwargs)
     hidden = batch.backbone(lm, model_kwargs).hidden
+    return _with_head(lm, _logprobs_on_head, prep, hidden)
+
+
+def _logprobs_on_head(head: CausalLMHead, prep: _Prepared, hidden: torch.Tensor) -> LogProbs:
+    call = prep.call.replace(weight=head.weight, bias=head.bias)
     with torch.autocast(hidden.device.type, enabled=False):
-        return logprobs_of_call(with_hidden(prep.call, hidden, prep.options))
+        return logprobs_of_call(with_hidden(call, hidden, prep.options))
 
 
 def _document_ids(
@@ -913,6 +945,12 @@ def causal_lm_policy_loss(
     )  # fmt: skip
 
 
+def _loss_on_head(head: CausalLMHead, prep: _Prepared, hidden: torch.Tensor, loss_call):
+    call = prep.call.replace(weight=head.weight, bias=head.bias)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return fused_loss_of_call(with_hidden(call, hidden, prep.options), loss_call)
+
+
 class _LossOptions(NamedTuple):
     """The loss arguments of :func:`causal_lm_policy_loss` beyond the per-token inputs."""
 
@@ -955,8 +993,8 @@ def _policy_loss_in_forward(
     )  # fmt: skip
     out = batch.backbone(lm, model_kwargs, router_logits=aux_coef != 0)
     hidden = out.hidden.reshape(*call.batch_shape, out.hidden.shape[-1])
-    with torch.autocast(hidden.device.type, enabled=False):
-        loss, metrics = fused_loss_of_call(with_hidden(call, hidden, prep.options), loss_call)
+    prep = prep._replace(call=call)
+    loss, metrics = _with_head(lm, _loss_on_head, prep, hidden, loss_call)
     if out.router_logits is not None:
         aux = _router_aux_loss(lm, out.router_logits, batch.attention_mask)
         loss = loss + aux_coef * aux.to(loss.dtype)

@@ -428,22 +428,26 @@ class _Step(NamedTuple):
     """What one micro-batch's forward returns: the loss (the MoE router loss apart, TRL adds
     it with its own weight) and the no-grad ``[B, C]`` tensors TRL logs from."""
 
-    loss: torch.Tensor
+    loss: torch.Tensor | None  # None until the head step fills it (as logps, old, ...)
     aux_loss: torch.Tensor | None
-    logps: torch.Tensor
-    old: torch.Tensor
+    logps: torch.Tensor | None
+    old: torch.Tensor | None
     advantages: torch.Tensor  # [B, 1] per sequence, or [B, C]
     mask: torch.Tensor
     ref: torch.Tensor | None
-    entropies: torch.Tensor
+    entropies: torch.Tensor | None
 
 
-def _head_kwargs(head: hf.CausalLMHead, temperature: float, device: torch.device) -> dict:
-    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (its
-    softcap and logit scale; under autocast the head runs in the autocast dtype)."""
-    head_dtype = None
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``lm_head`` runs in under the active autocast (None: no autocast)."""
     if torch.is_autocast_enabled(device.type):
-        head_dtype = torch.get_autocast_dtype(device.type)
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _head_kwargs(head: hf.CausalLMHead, temperature: float, head_dtype: torch.dtype | None) -> dict:
+    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (its
+    softcap and logit scale; ``head_dtype``: the autocast dtype lm_head would run in)."""
     return dict(
         bias=head.bias,
         temperature=float(temperature),
@@ -542,16 +546,25 @@ class LogitlessGRPOMixin:
         labels = hf.causal_lm_labels(
             input_ids, attention_mask=attention_mask, response_mask=layout.response_mask(mask)
         )
-        head = hf.causal_lm_head(lm)
         with self.accelerator.autocast():
             out = hf._run_backbone(
                 lm, input_ids, attention_mask, None, {}, router_logits=self.aux_loss_enabled
             )
-            hidden = out.hidden
-            head_kwargs = _head_kwargs(head, opts.temperature, hidden.device)
+            head_dtype = _autocast_dtype(out.hidden.device)
         aux = None
         if out.router_logits is not None:
             aux = hf._router_aux_loss(lm, out.router_logits, attention_mask)
+        step = _Step(None, aux, None, None, inputs["advantages"], mask, None, None)
+        head_step = self._logitless_head_step  # the head's parameters gathered (FSDP2)
+        return hf._with_head(lm, head_step, out.hidden, labels, head_dtype, inputs, opts, config,
+                             mode, layout, step)  # fmt: skip
+
+    def _logitless_head_step(
+        self, head, hidden, labels, head_dtype, inputs, opts: _Options, config, mode, layout, step
+    ):
+        """The head's part of :meth:`_logitless_step`: a no-grad pass, TRL's masks, the loss."""
+        head_kwargs = _head_kwargs(head, opts.temperature, head_dtype)
+        mask = step.mask
         with torch.autocast(hidden.device.type, enabled=False):
             with torch.no_grad():  # current log-probs and entropies: one head pass, no grad
                 now = linear_logprobs(
@@ -561,7 +574,7 @@ class LogitlessGRPOMixin:
             entropies = layout.to_trl(now.entropy)  # [B, C]
             old = inputs.get("old_per_token_logps")
             old = logps if old is None else old  # on-policy: π_old = sg(π_θ)
-            advantages = inputs["advantages"]
+            advantages = step.advantages
             if advantages.dim() == 1:
                 advantages = advantages.unsqueeze(1)
             token_advantages = self._logitless_advantages(
@@ -588,7 +601,9 @@ class LogitlessGRPOMixin:
                 normalizer=normalizer,
                 **head_kwargs,
             )
-        return _Step(loss, aux, logps, old, advantages, mask, ref, entropies)
+        return step._replace(
+            loss=loss, logps=logps, old=old, advantages=advantages, ref=ref, entropies=entropies
+        )
 
     def _logitless_advantages(
         self, opts: _Options, inputs, advantages, logps, old, entropies, mask
