@@ -540,3 +540,20 @@ def test_bad_input_raises_before_any_work(name):
     kwargs, message = BAD[name]
     with pytest.raises(ValueError, match=message):
         logitless.linear_divergence(**kwargs)
+
+
+def test_bench_distill_methods_run_in_process():
+    """Every method of ``logitless bench --task distill`` builds and steps on a tiny workload
+    (TRL's when importable), leaving the student's gradients finite."""
+    from logitless.apps.bench.methods import TASKS
+    from logitless.apps.bench.workload import Workload
+    from logitless.apps.bench.workload import make_inputs as bench_inputs
+
+    work = Workload("distill", 24, 16, 211, 0.5, "float32", "cpu", 1, 1)
+    for name, method in TASKS["distill"].items():
+        if method.unavailable(work) is not None:
+            continue
+        inputs = bench_inputs(work)
+        method.build(work, inputs)()
+        if method.role != "floor":
+            assert bool(torch.isfinite(inputs.weight.grad).all()), name

@@ -448,6 +448,102 @@ def _build_replay(kind: str) -> Callable[[Workload, Inputs], Step]:
     return build
 
 
+# ---- task "distill": the divergence to a teacher head, forward + backward --------------------
+
+_DISTILL_BETA = 0.0  # TRL's forward KL(teacher || student): one pass over both heads' tiles
+
+
+def _teacher(work: Workload, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen teacher of the workload's sizes (seeded apart from the student):
+    hidden ``[N, H]`` and head ``[V, H]``, no grad."""
+    gen = torch.Generator().manual_seed(work.seed + 1)
+    n, h, v = work.tokens, work.hidden, work.vocab
+    dtype, device = DTYPES[work.dtype], torch.device(work.device)
+    t_hidden = torch.randn(n, h, generator=gen).to(device, dtype)
+    t_weight = (torch.randn(v, h, generator=gen) * 0.02).to(device, dtype)
+    return t_hidden, t_weight
+
+
+def _build_distill(kind: str) -> Callable[[Workload, Inputs], Step]:
+    """``kind``: ``"naive"`` (``logitless.reference.linear_divergence``: both heads' full
+    logits) or ``"logitless"`` (``linear_divergence``); the divergence's upstream gradient
+    is the workload's random per-token one."""
+
+    def build(work: Workload, inputs: Inputs) -> Step:
+        if kind == "naive":
+            from logitless.reference import linear_divergence
+        else:
+            from logitless import linear_divergence
+        t_hidden, t_weight = _teacher(work, inputs)
+
+        def step() -> None:
+            out = linear_divergence(
+                inputs.hidden, inputs.weight, inputs.labels, t_hidden, t_weight,
+                beta=_DISTILL_BETA,
+            )  # fmt: skip
+            (out.divergence * inputs.grad_logprobs).sum().backward()
+
+        return step
+
+    return build
+
+
+def _build_distill_floor(work: Workload, inputs: Inputs) -> Step:
+    """Six bare matmuls over the valid rows: both heads' statistics, both recomputed in
+    backward, dh and dW (the KL schedule's floor; no softmax)."""
+    h = inputs.hidden.detach().index_select(0, inputs.valid_idx)  # [M, H]
+    t_hidden, t_weight = _teacher(work, inputs)
+    t_h = t_hidden.index_select(0, inputs.valid_idx)
+    w = inputs.weight.detach()
+    z = h.new_empty(h.shape[0], w.shape[0])  # [M, V], allocated outside the timed step
+    dh, dw = torch.empty_like(h), torch.empty_like(w)
+
+    def step() -> None:
+        with torch.no_grad():
+            for _ in range(2):  # statistics, then the recompute of backward
+                torch.mm(h, w.T, out=z)
+                torch.mm(t_h, t_weight.T, out=z)
+            torch.mm(z, w, out=dh)
+            torch.mm(z.T, h, out=dw)
+
+    return step
+
+
+def _trl_distill_unavailable(work: Workload) -> str | None:
+    """TRL >= 1.16 ships its chunked divergence (``trl.kernels.chunked_divergence``)."""
+    if importlib.util.find_spec("trl") is None:
+        return "trl is not installed (pip install 'logitless[trl]')"
+    try:
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction  # noqa: F401
+    except ImportError:
+        return "this TRL has no trl.kernels.chunked_divergence (TRL >= 1.16)"
+    return None
+
+
+def _build_trl_distill(work: Workload, inputs: Inputs) -> Step:
+    """TRL's ``ChunkedDivergenceFunction`` as ``DistillationTrainer``'s
+    ``_chunked_divergence_loss`` calls it: the valid rows on CUDA (Triton), every row
+    elsewhere, masked afterwards."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    t_hidden, t_weight = _teacher(work, inputs)
+    compact = work.device.startswith("cuda")
+    mask = inputs.labels != IGNORE_INDEX
+
+    def step() -> None:
+        h, t_h = (inputs.hidden[mask], t_hidden[mask]) if compact else (inputs.hidden, t_hidden)
+        div, _ = ChunkedDivergenceFunction.apply(
+            h, inputs.weight, None, t_h, t_weight, None, _DISTILL_BETA, 1.0, 1.0, None, 1.0, None
+        )
+        if compact:
+            div = div.new_zeros(mask.shape).masked_scatter(mask, div)
+        else:
+            div = div.masked_fill(~mask, 0.0)
+        (div * inputs.grad_logprobs).sum().backward()
+
+    return step
+
+
 TASKS: dict[str, dict[str, Method]] = {
     "logprobs": {
         m.name: m
@@ -542,6 +638,36 @@ TASKS: dict[str, dict[str, Method]] = {
                 note=lambda w: f"capturable=True, row_capacity={w.valid_rows} (the valid rows)",
             ),
             Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
+        )
+    },
+    "distill": {
+        m.name: m
+        for m in (
+            Method(
+                "naive",
+                "baseline",
+                _build_distill("naive"),
+                note=lambda w: "full logits of both heads, forward KL",
+            ),
+            Method(
+                "logitless",
+                "op",
+                _build_distill("logitless"),
+                note=lambda w: "linear_divergence(beta=0): 6 matmuls",
+            ),
+            Method(
+                "floor6",
+                "floor",
+                _build_distill_floor,
+                note=lambda w: "6 bare matmuls: both heads, recomputed, dh, dW",
+            ),
+            Method(
+                "trl",
+                "peer",
+                _build_trl_distill,
+                unavailable=_trl_distill_unavailable,
+                note=lambda w: "TRL 1.16 ChunkedDivergenceFunction (DistillationTrainer)",
+            ),
         )
     },
     "replay": {
