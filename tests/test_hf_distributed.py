@@ -94,9 +94,11 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
-def _worker(rank: int, world: int, kind: str, tied: bool, bypass: bool = False):
+def _worker(rank: int, world: int, kind: str, tied: bool, bypass: bool = False, compiled=False):
     torch.set_num_threads(1)
     model = _model(tied)
+    if compiled:  # the backbone compiled in place (aot_eager: the graph capture, no C++ build)
+        model.model.compile(backend="aot_eager")
     wrapped = _wrap(model, kind)
     b = _rows(_batch(), ROWS[rank])
     labels = hf.causal_lm_labels(b["ids"], attention_mask=b["mask"], response_mask=b["response"])
@@ -139,6 +141,11 @@ def test_wrapped_model_matches_one_process(kind, tied):
     """fsdp2_head_apart: lm_head an FSDP2 unit of its own (as accelerate shards it); the head
     then runs inside lm_head's forward, its weight gathered there."""
     _compare(spawn(_worker, WORLD, kind, tied, threads=1), tied)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_compiled_backbone_under_a_wrapper(kind):
+    _compare(spawn(_worker, WORLD, kind, False, False, True, threads=1), False)
 
 
 def test_bypassing_ddp_is_caught():

@@ -112,7 +112,9 @@ CASES = [
         id="ddp-tied-grpo_kl_entropy_checkpointing",
     ),
     pytest.param("fsdp2", False, {}, id="fsdp2-untied-dapo"),
-    pytest.param("fsdp2", True, {"beta": 0.05}, id="fsdp2-tied-dapo_kl"),
+    pytest.param(
+        "fsdp2", True, {"beta": 0.05, "gradient_checkpointing": True}, id="fsdp2-tied-dapo_kl_ckpt"
+    ),
 ]
 
 

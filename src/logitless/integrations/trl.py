@@ -31,11 +31,17 @@ the token sum by ``B · GA · max_completion_length``; ``bnpo`` by the micro-bat
 tokens, per accumulation window). The entropy bonus is always a token mean of the micro-batch
 divided by ``GA``. In eval mode ``GA = SPG = 1``.
 
+**Several processes, LoRA, MoE.** The backbone, the head and the loss run inside the wrapped
+model's forward (:func:`logitless.integrations.hf.run_in_forward`), so DDP averages the
+gradients and FSDP2 gathers and reduce-scatters the parameters as for ``model(...)``; a PEFT
+LoRA policy trains its adapters (the reference log-probs with the adapter disabled, as TRL
+does); an MoE policy gets TRL's router load-balancing loss from the same backbone call.
+
 **Not supported** (raised by name before training starts, see :func:`check_trainer`): the
 ``vespo`` loss, ``top_entropy_quantile < 1`` together with an entropy bonus, adaptive entropy
-control, ``cast_lm_head_to_fp32``, PEFT models, vision-language models, models outside
-:data:`logitless.integrations.hf.SUPPORTED_MODELS`, multi-process training (DDP, FSDP,
-DeepSpeed), ``delta < 1 + epsilon_high`` and ``cispo`` with ``epsilon_high < 1``.
+control, ``cast_lm_head_to_fp32``, vision-language models, models outside
+:data:`logitless.integrations.hf.SUPPORTED_MODELS`, FSDP1 and DeepSpeed (untested: no machine
+of this project runs it), ``delta < 1 + epsilon_high`` and ``cispo`` with ``epsilon_high < 1``.
 
 Tested with TRL 1.16 (``pip install 'logitless[trl]'``).
 """
