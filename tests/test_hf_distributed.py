@@ -182,3 +182,47 @@ def test_unsupported_wrappers_are_refused():
     ids = torch.randint(3, V, (1, 5))
     with pytest.raises(ValueError, match="DeepSpeed engines are not supported"):
         hf.causal_lm_logprobs(DeepSpeedEngine(model), ids)
+
+
+# --------------------------------------------------------------------------------------------
+# PEFT (single process): LoRA on the backbone, the adapters the only trainable parameters
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["adapter", "adapter_disabled"])
+def test_peft_lora_model_matches_its_logits(disabled):
+    """A LoRA PeftModel straight into the HF functions: the loss and the adapters' gradients
+    equal policy_loss on the PeftModel's own logits; the frozen base gets no gradient; under
+    ``disable_adapter()`` the numbers are the base model's."""
+    peft = pytest.importorskip("peft")
+    from logitless import policy_loss
+
+    lora = peft.LoraConfig(  # random A and B: the adapters change the numbers from the start
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model = peft.get_peft_model(_model(False), lora)
+    b = _batch()
+    labels = hf.causal_lm_labels(b["ids"], attention_mask=b["mask"], response_mask=b["response"])
+    normalizer = loss_normalizer([labels != -100])
+    context = model.disable_adapter() if disabled else torch.enable_grad()
+    with context:
+        loss = _loss_and_logprobs(model, b, normalizer)[0]
+        logits = model(input_ids=b["ids"], attention_mask=b["mask"], use_cache=False).logits
+    logp = logits.float().log_softmax(-1)
+    lp = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    valid = labels != -100
+    ref, _ = policy_loss(
+        torch.where(valid, lp, 0.0), b["old"], b["adv"], valid, config=CONFIG,
+        ref_logprobs=b["ref"], entropy=ent, normalizer=normalizer,
+    )  # fmt: skip
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    if disabled:  # the adapters are not used: nothing to train through this loss
+        assert not loss.requires_grad and not ref.requires_grad
+        return
+    ours = torch.autograd.grad(loss, [model.get_parameter(n) for n in trainable])
+    theirs = torch.autograd.grad(ref, [model.get_parameter(n) for n in trainable])
+    for n, a, t in zip(trainable, ours, theirs, strict=True):
+        torch.testing.assert_close(a, t, rtol=1e-4, atol=1e-6, msg=n)
+        assert bool(a.abs().sum() > 0), n
