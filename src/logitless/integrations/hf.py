@@ -56,6 +56,7 @@ from ..contract.checks import is_dtensor
 from ..contract.head import HeadCall, check_head_call, with_hidden
 from ..contract.options import Backend, HeadOptions, SamplerOptions
 from ..losses import LossNormalizer, PolicyLossConfig
+from ..ops.divergence.op import linear_divergence
 from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call
 from ..ops.logprobs.op import logprobs_of_call
 from ..packing import (
@@ -65,12 +66,13 @@ from ..packing import (
     position_documents,
 )
 from ..sampling import SamplingMask
-from ..types import LogProbs
+from ..types import Divergence, LogProbs
 from .wrappers import FSDPModule, run_in_forward, unwrap
 
 __all__ = [
     "SUPPORTED_MODELS",
     "CausalLMHead",
+    "causal_lm_divergence",
     "causal_lm_head",
     "causal_lm_hidden_states",
     "causal_lm_labels",
@@ -1000,3 +1002,149 @@ def _policy_loss_in_forward(
         loss = loss + aux_coef * aux.to(loss.dtype)
         metrics = {**metrics, "aux_loss": aux.detach().float()}
     return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# distillation: the divergence between a teacher's and the student's next-token distributions
+
+
+def causal_lm_divergence(
+    model: nn.Module,
+    teacher: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    target_ids: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    beta: float = 0.0,
+    temperature: float | torch.Tensor = 1.0,
+    with_logprobs: bool = False,
+    with_entropy: bool = False,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+    ignore_index: int = -100,
+    backend: Backend = "auto",
+    **model_kwargs: Any,
+) -> Divergence:
+    """Per-token divergence between a teacher causal LM and a student causal LM, without
+    either model's logits: both backbones, then :func:`logitless.linear_divergence`.
+
+    Computes, at every labelled position, what this computes with both models' logits::
+
+        z_s = model(input_ids, ..., use_cache=False).logits.float() / temperature
+        z_t = teacher(input_ids, ..., use_cache=False).logits.float() / temperature
+        divergence = D_beta(softmax(z_t) ‖ softmax(z_s))     # TRL's beta convention
+
+    (each model's own soft-capping and logit scale; see :func:`logitless.linear_divergence`
+    for ``beta``). The teacher runs under ``torch.no_grad()`` inside its own wrapper's forward
+    (DDP, FSDP2: its sharded head weight is gathered without a gradient); the student's
+    backbone and head run inside the student wrapper's forward, as in
+    :func:`causal_lm_policy_loss`. Gradients reach the student's parameters only.
+
+    Args:
+        model: the student, a causal LM of :data:`SUPPORTED_MODELS` (wrapped or not).
+        teacher: the teacher, likewise; its hidden width may differ, its vocabulary must be
+            the student's (or differ by padding rows: ``vocab_size``).
+        input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask:
+            as in :func:`causal_lm_logprobs`; both models get the same inputs, and the
+            positions without a target are skipped (0.0).
+        beta, temperature, with_logprobs, with_entropy, vocab_size, chunk_size, head_dtype,
+            ignore_index, backend: as in :func:`logitless.linear_divergence` (the student's
+            log-probs of the targets and entropy).
+        **model_kwargs: passed to both backbones.
+
+    Returns:
+        :class:`logitless.Divergence` of fp32 ``[B, T]`` tensors, 0.0 where there is no target.
+
+    >>> import transformers
+    >>> def tiny(width):
+    ...     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=100,
+    ...         hidden_size=width, intermediate_size=32, num_hidden_layers=1,
+    ...         num_attention_heads=2, num_key_value_heads=1))
+    >>> student, teacher = tiny(16), tiny(32)
+    >>> ids = torch.randint(0, 100, (2, 6))
+    >>> out = causal_lm_divergence(student, teacher, ids, beta=0.5, with_entropy=True)
+    >>> out.divergence.shape
+    torch.Size([2, 6])
+    >>> out.divergence.sum().backward()          # gradients reach the student's parameters
+    """
+    given = locals()
+    options = HeadOptions.pick(given)
+    batch = _ModelBatch(
+        input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
+    )
+    _check_model_kwargs(model_kwargs)
+    check_model(model)
+    check_model(teacher)
+    labels = batch.targets(ignore_index, False)
+    with torch.no_grad():
+        t_hidden, t_head = run_in_forward(teacher, _teacher_in_forward, batch, model_kwargs)
+    div = _DivergenceArgs(beta, with_logprobs, vocab_size)
+    args = (batch, labels, t_hidden, t_head, options, div, model_kwargs)
+    return run_in_forward(model, _divergence_in_forward, *args)
+
+
+class _DivergenceArgs(NamedTuple):
+    beta: float
+    with_logprobs: bool
+    vocab_size: int | None
+
+
+def _teacher_in_forward(
+    lm: nn.Module, batch: _ModelBatch, model_kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, CausalLMHead]:
+    """The teacher's final hidden states and its head, detached (a sharded head weight
+    gathered whole: the teacher needs no gradient)."""
+    hidden = batch.backbone(lm, model_kwargs).hidden
+    head, softcap, scale = check_model(lm)
+
+    def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return (t.full_tensor() if is_dtensor(t) else t).detach()
+
+    return hidden.detach(), CausalLMHead(whole(head.weight), whole(head.bias), softcap, scale)
+
+
+def _divergence_in_forward(
+    lm: nn.Module,
+    batch: _ModelBatch,
+    labels: torch.Tensor,
+    t_hidden: torch.Tensor,
+    t_head: CausalLMHead,
+    options: HeadOptions,
+    div: _DivergenceArgs,
+    model_kwargs: dict[str, Any],
+) -> Divergence:
+    hidden = batch.backbone(lm, model_kwargs).hidden
+    return _with_head(lm, _divergence_on_head, hidden, labels, t_hidden, t_head, options, div)
+
+
+def _divergence_on_head(
+    head: CausalLMHead,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    t_hidden: torch.Tensor,
+    t_head: CausalLMHead,
+    options: HeadOptions,
+    div: _DivergenceArgs,
+) -> Divergence:
+    options = _head_options(options, head)
+
+    def scale(s: float) -> float | None:
+        return None if s == 1.0 else s
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        return linear_divergence(
+            hidden, head.weight, labels, t_hidden, t_head.weight,
+            beta=div.beta, temperature=options.temperature, bias=head.bias,
+            logit_scale=options.logit_scale, softcap=options.softcap,
+            teacher_bias=t_head.bias, teacher_logit_scale=scale(t_head.logit_scale),
+            teacher_softcap=t_head.softcap, vocab_size=div.vocab_size,
+            with_logprobs=div.with_logprobs, with_entropy=options.with_entropy,
+            ignore_index=options.ignore_index, chunk_size=options.chunk_size,
+            head_dtype=options.head_dtype, backend=options.backend,
+        )  # fmt: skip
