@@ -84,6 +84,7 @@ SLOW_FILES = {
     "test_replay_parallel.py",
     "test_triton.py",
     "test_trl.py",
+    "test_trl_distill.py",
     "test_trl_distributed.py",
     "test_vocab_parallel.py",
 }

@@ -59,11 +59,11 @@ def make_tokenizer():
     )
 
 
-def save_model(path, *, tied: bool = False, moe: bool = False) -> str:
+def save_model(path, *, tied: bool = False, moe: bool = False, width: int = 16) -> str:
     """A tiny random Qwen2 (or Qwen3-MoE: 4 experts, 2 per token, router loss on) saved at
     ``path``; its tokenizer registered in memory. Returns ``str(path)``."""
     small = dict(
-        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        vocab_size=V, hidden_size=width, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=EOS,
         bos_token_id=2, tie_word_embeddings=tied,
     )  # fmt: skip

@@ -4,6 +4,9 @@ Switching is one line::
 
     from logitless.integrations.trl import LogitlessGRPOTrainer as GRPOTrainer
 
+(``LogitlessDistillationTrainer``, TRL's ``DistillationTrainer`` on logitless, is described in
+:mod:`logitless.integrations.trl_distillation`.)
+
 ``LogitlessGRPOTrainer`` is a ``trl.GRPOTrainer`` whose two log-prob paths run on logitless
 (a trainer subclass of your own gets the same from :class:`LogitlessGRPOMixin`):
 
@@ -69,8 +72,11 @@ except ImportError as e:  # pragma: no cover - exercised only without TRL
 
 __all__ = [
     "TESTED_TRL",
+    "LogitlessDistillationMixin",
+    "LogitlessDistillationTrainer",
     "LogitlessGRPOMixin",
     "LogitlessGRPOTrainer",
+    "check_distillation",
     "check_trainer",
     "grpo_loss_config",
 ]
@@ -713,3 +719,11 @@ class LogitlessGRPOTrainer(LogitlessGRPOMixin, GRPOTrainer):
     Same constructor, options, training loop and logged metrics; see the module doc for what
     changes (no ``[tokens, vocab]`` logits) and what is refused.
     """
+
+
+# The distillation trainer lives in its own module; importable from here like the GRPO one.
+from .trl_distillation import (  # noqa: E402
+    LogitlessDistillationMixin,
+    LogitlessDistillationTrainer,
+    check_distillation,
+)

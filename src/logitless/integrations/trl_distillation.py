@@ -1,0 +1,124 @@
+"""TRL's ``DistillationTrainer`` on logitless: the same on-policy distillation, exact, without
+either model's ``[tokens, vocab]`` logits or TRL's chunked tiles.
+
+Switching is one line::
+
+    from logitless.integrations.trl import LogitlessDistillationTrainer as DistillationTrainer
+
+``LogitlessDistillationTrainer`` is a ``trl.DistillationTrainer`` whose loss runs on
+:func:`logitless.integrations.hf.causal_lm_divergence`: the student's backbone inside the
+student wrapper's forward (DDP / FSDP2 as for ``model(...)``), the teacher's under
+``torch.no_grad()`` inside its own, then :func:`logitless.linear_divergence` with TRL's
+``beta`` (0: forward KL, 1: reverse KL, else the generalized JSD) and ``temperature``, each
+model's own soft-capping and logit scale. The loss is TRL's: the divergence summed over the
+completion tokens (``completion_mask``, times ``tool_mask`` when present) and divided by
+``num_items_in_batch / processes`` in training (TRL's count over the generated completions),
+else by the local token count; the logged ``entropy`` is the student's mean per-token entropy
+over the processes. Generation, logging and the optimizer loop stay TRL's. (A subclass of your
+own gets the same from :class:`LogitlessDistillationMixin`.)
+
+Refused before training (``ValueError`` naming the reason): models outside
+:data:`logitless.integrations.hf.SUPPORTED_MODELS` (student or teacher), vision-language
+models, FSDP1 and DeepSpeed. Tested with TRL 1.16 (tests/test_trl_distill.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import hf
+
+try:
+    from trl import DistillationTrainer
+except ImportError as e:  # pragma: no cover - exercised only without TRL
+    raise ImportError("logitless.integrations.trl needs TRL: pip install 'logitless[trl]'") from e
+
+__all__ = ["LogitlessDistillationMixin", "LogitlessDistillationTrainer", "check_distillation"]
+
+
+def _unsupported(what: str, reason: str) -> ValueError:
+    return ValueError(
+        f"LogitlessDistillationTrainer cannot honour {what}: {reason}. Use "
+        "trl.DistillationTrainer for this run, or change it."
+    )
+
+
+def check_distillation(trainer: DistillationTrainer) -> None:
+    """Every check of a distillation trainer's setup; ``ValueError`` naming the first problem.
+
+    :class:`LogitlessDistillationMixin` calls it at the end of ``__init__`` and at each loss.
+    """
+    from .trl import _distributed_problem  # the one rule, shared with the GRPO trainer
+
+    if getattr(trainer, "_is_vlm", False):
+        raise _unsupported("a vision-language model", "logitless handles text-only causal LMs")
+    if trainer.teacher_model is None:
+        raise _unsupported("a run without a teacher model", "the divergence needs its head")
+    problem = _distributed_problem(trainer.accelerator)
+    if problem is not None:
+        raise _unsupported("this distributed setup", problem)
+    for name, model in (("model", trainer.model), ("teacher_model", trainer.teacher_model)):
+        try:
+            hf.check_model(model)
+        except ValueError as e:
+            raise _unsupported(f"this {name}", str(e)) from None
+    if not 0.0 <= float(trainer.beta) <= 1.0:
+        raise _unsupported(f"beta={trainer.beta}", "the generalized JSD needs 0 <= beta <= 1")
+
+
+class LogitlessDistillationMixin:
+    """Put before ``trl.DistillationTrainer`` (or your subclass of it) in the bases to run its
+    loss on logitless::
+
+        class MyTrainer(LogitlessDistillationMixin, MyDistillationTrainer): ...
+
+    It overrides ``compute_loss``; generation and everything else stay the trainer's own.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_distillation(self)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        check_distillation(self)
+        if self.model.training and inputs.get("num_items_in_batch") is not None:
+            # TRL's count over the generated completions, per process (DDP averages)
+            num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0)
+            num_items_in_batch = num_items_in_batch / self.accelerator.num_processes
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        response = torch.zeros_like(attention_mask, dtype=torch.bool)
+        response[:, prompt_ids.shape[1] :] = mask.bool()  # the tokens whose prediction counts
+        self.teacher_model.eval()
+        with self.accelerator.autocast():
+            out = hf.causal_lm_divergence(
+                model, self.teacher_model, input_ids, attention_mask=attention_mask,
+                response_mask=response, beta=float(self.beta),
+                temperature=float(self.temperature), with_entropy=True,
+            )  # fmt: skip
+        valid = mask.sum()  # TRL's count of the loss's tokens
+        loss = out.divergence.sum()
+        if num_items_in_batch is None:
+            loss = loss / valid.clamp(min=1)
+        else:
+            loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+        self._logitless_log(out.entropy.detach().sum(), valid)
+        return (loss, None) if return_outputs else loss
+
+    def _logitless_log(self, entropy_sum: torch.Tensor, valid: torch.Tensor) -> None:
+        """TRL's ``entropy`` metric: the student's mean per-token entropy over the processes."""
+        mode = "train" if self.model.training else "eval"
+        tokens = self.accelerator.gather_for_metrics(valid).sum()
+        entropy_sum = self.accelerator.gather_for_metrics(entropy_sum).sum()
+        entropy = (entropy_sum / tokens).item() if tokens > 0 else 0.0
+        self._metrics[mode]["entropy"].append(entropy)
+
+
+class LogitlessDistillationTrainer(LogitlessDistillationMixin, DistillationTrainer):
+    """``trl.DistillationTrainer`` with its loss computed by logitless (see the module doc)."""
