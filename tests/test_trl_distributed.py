@@ -133,3 +133,51 @@ def test_bypassing_the_wrapper_is_caught(tmp_path):
     with pytest.raises(AssertionError):
         for r in ranks:
             T.assert_same_run(*r["stock"], *r["ours"], T._initial(model_dir))
+
+
+# --------------------------------------------------------------------------------------------
+# the distillation trainer: stock vs logitless on 2 ranks (a wider teacher, JSD, temperature)
+
+
+def _distill_worker(rank: int, world: int, student: str, teacher: str, kind: str, tmp: str):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+    )  # fmt: skip
+    from logitless.integrations.trl import LogitlessDistillationTrainer
+
+    T._TOKENIZERS[student] = T.make_tokenizer()
+    out = {}
+    for name, cls in (("stock", trl.DistillationTrainer), ("ours", LogitlessDistillationTrainer)):
+        args = dict(
+            output_dir=str(_path(tmp, f"{name}{rank}")), per_device_train_batch_size=2,
+            max_completion_length=6, gradient_accumulation_steps=2, max_steps=2, bf16=False,
+            use_cpu=True, report_to=[], save_strategy="no", seed=0, logging_steps=1,
+            optim="sgd", learning_rate=0.2, beta=0.5, temperature=0.8,
+        )  # fmt: skip
+        trainer = cls(
+            model=student,
+            teacher_model=teacher,
+            args=trl.DistillationConfig(**args),
+            train_dataset=T._dataset(),
+            processing_class=T._TOKENIZERS[student],
+        )
+        if kind == "fsdp2":
+            _force_fsdp2(trainer)
+        trainer.train()
+        params = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in trainer.model.named_parameters()
+        }
+        out[name] = (trainer.state.log_history, params)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_distillation_matches_trl_on_two_ranks(kind, tmp_path):
+    student = T.save_model(tmp_path / "student")
+    teacher = T.save_model(tmp_path / "teacher", width=24)
+    args = (student, teacher, kind, str(tmp_path))
+    ranks = spawn(_distill_worker, WORLD, *args, threads=1, timeout_s=120.0)
+    for r in ranks:
+        assert T.assert_same_run(*r["stock"], *r["ours"], T._initial(student)) > 0
