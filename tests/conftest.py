@@ -75,6 +75,7 @@ SLOW_FILES = {
     "test_benchmark_scripts.py",
     "test_compile.py",
     "test_demo.py",
+    "test_divergence_head.py",
     "test_docs.py",
     "test_fsdp.py",
     "test_fused_parallel.py",

@@ -12,7 +12,7 @@ from . import advantages, losses, packing, parallel, reference  # noqa: F401  (i
 from .accumulation import StepAccumulator
 from .contract.divergence import TeacherTopK
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
-from .modules import LinearLogprobs, LogprobHead, PolicyLossHead
+from .modules import DivergenceHead, LinearLogprobs, LogprobHead, PolicyLossHead
 from .ops.divergence.op import linear_divergence
 from .ops.fused_loss.op import fused_policy_loss
 from .ops.logprobs.op import linear_logprobs
@@ -23,6 +23,7 @@ from .types import Divergence, LogProbs
 
 __all__ = [
     "Divergence",
+    "DivergenceHead",
     "LinearLogprobs",
     "LogProbs",
     "LogprobHead",

@@ -35,15 +35,24 @@ import torch
 from torch import nn
 
 from .contract.checks import check_full_precision, is_dtensor
+from .contract.divergence import DivergenceOptions, TeacherTopK, check_divergence_call
 from .contract.options import HeadKwargs, HeadOptions, SamplerOptions, stored_options
 from .losses import LossNormalizer, PolicyLossConfig
 from .losses.checks import check_config
+from .ops.divergence.op import divergence_of_call
 from .ops.fused_loss.op import fused_loss_of
 from .ops.logprobs.op import logprobs_of
 from .sampling import SamplingMask
-from .types import LogProbs
+from .types import Divergence, LogProbs
 
-__all__ = ["HeadOptions", "LinearLogprobs", "LogprobHead", "PolicyLossHead", "SamplerOptions"]
+__all__ = [
+    "DivergenceHead",
+    "HeadOptions",
+    "LinearLogprobs",
+    "LogprobHead",
+    "PolicyLossHead",
+    "SamplerOptions",
+]
 
 
 class LinearLogprobs(nn.Module):
@@ -423,6 +432,102 @@ class PolicyLossHead(_SharedHeadWeight):
             f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, config={self.config}, "
             f"{self.options.describe()}{self.sampler.describe()}"
         )
+
+
+class DivergenceHead(_SharedHeadWeight):
+    """:func:`~logitless.linear_divergence` as a module holding the *student's* head weight
+    (shared, not copied), for FSDP2 and tied embeddings as :class:`LogprobHead`.
+
+    ``DivergenceHead(lm_head, beta=0.5)(hidden, labels, teacher_hidden, teacher_weight)``
+    equals ``linear_divergence(hidden, lm_head.weight, labels, teacher_hidden, teacher_weight,
+    bias=lm_head.bias, beta=0.5)``. The teacher is an argument of each call: it is frozen, and
+    its head may be sharded and gathered by its own owner.
+
+    Args:
+        source: the module owning the student's ``[V, H]`` head weight (see
+            :class:`LogprobHead`).
+        beta, teacher_softcap, teacher_logit_scale, vocab_size, with_logprobs: as in
+            :func:`~logitless.linear_divergence`.
+        temperature, softcap, logit_scale, with_entropy, ignore_index, chunk_size, head_dtype,
+            vocab_parallel, backend: as in :func:`~logitless.linear_divergence` (the student's
+            head options). Sampler settings and the capturable mode are not options of the
+            divergence: ``TypeError`` / ``ValueError``.
+
+    Forward: ``head(hidden [..., H], labels [...], teacher_hidden [..., H_t] = None,
+    teacher_weight [V_t, H_t] = None, teacher_bias [V_t] = None, *, teacher_topk=None,
+    temperature=None) -> Divergence`` of fp32 ``[...]`` tensors; a per-call ``temperature``
+    overrides the stored one.
+
+    Example:
+        >>> import torch
+        >>> from logitless.modules import DivergenceHead
+        >>> lm_head = torch.nn.Linear(16, 100, bias=False)
+        >>> head = DivergenceHead(lm_head, beta=0.5, with_entropy=True)
+        >>> labels = torch.randint(0, 100, (2, 6))
+        >>> out = head(torch.randn(2, 6, 16), labels, torch.randn(2, 6, 24), torch.randn(100, 24))
+        >>> out.divergence.shape, out.entropy.shape
+        (torch.Size([2, 6]), torch.Size([2, 6]))
+        >>> out.divergence.sum().backward()
+        >>> lm_head.weight.grad.shape
+        torch.Size([100, 16])
+    """
+
+    def __init__(
+        self,
+        source: nn.Module,
+        *,
+        beta: float = 0.0,
+        teacher_softcap: float | None = None,
+        teacher_logit_scale: float | None = None,
+        vocab_size: int | None = None,
+        with_logprobs: bool = False,
+        **options: Unpack[HeadKwargs],
+    ) -> None:
+        super().__init__(source)
+        self.options, sampler = stored_options(type(self).__name__, options)
+        if sampler.replaying or self.options.capturable:
+            raise ValueError(
+                "DivergenceHead takes no sampler settings (top_k, top_p, min_p) and no "
+                "capturable mode: linear_divergence has neither"
+            )
+        self.divergence = DivergenceOptions(
+            beta, teacher_softcap, teacher_logit_scale, vocab_size, with_logprobs
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        teacher_hidden: torch.Tensor | None = None,
+        teacher_weight: torch.Tensor | None = None,
+        teacher_bias: torch.Tensor | None = None,
+        *,
+        teacher_topk: TeacherTopK | None = None,
+        temperature: float | torch.Tensor | None = None,
+    ) -> Divergence:
+        """The divergence of each row of ``hidden`` ``[..., H]`` from the teacher's."""
+        weight, bias = self._current_parameters()
+        check_full_precision(temperature=temperature)
+        call = check_divergence_call(
+            hidden,
+            weight,
+            labels,
+            bias,
+            (teacher_hidden, teacher_weight, teacher_bias),
+            teacher_topk,
+            self.options.replace(temperature=temperature),
+            self.divergence,
+        )
+        out = divergence_of_call(call)
+        # as LogprobHead: no view among the outputs (FSDP2's pre-backward hook)
+        return out._replace(
+            **{k: t.clone() for k, t in zip(out._fields, out, strict=True) if _is_view(t)}
+        )
+
+    def extra_repr(self) -> str:
+        vocab, dim = self.weight.shape
+        d = self.divergence
+        return f"vocab={vocab}, hidden={dim}, beta={d.beta}, {self.options.describe()}"
 
 
 def _is_view(t: object) -> bool:
