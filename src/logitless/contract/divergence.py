@@ -198,7 +198,12 @@ def _agreed(check, vp, labels):
     """``check()``, collectively under vocab parallelism (every rank raises together)."""
     if vp is None:
         return check()
-    result, _ = check_then_agree(check, lambda r, e: vp.agree(None if r is None else labels, e))
+
+    def agree(_, error):
+        ok = error is None and isinstance(labels, torch.Tensor)
+        vp.agree(labels if ok else None, error)
+
+    result, _ = check_then_agree(check, agree)
     return result
 
 
