@@ -19,7 +19,7 @@ from .ops.logprobs.op import linear_logprobs
 from .packing import next_token_labels
 from .parallel import VocabParallel
 from .sampling import SamplingMask
-from .types import Divergence, LogProbs
+from .types import Divergence, LogProbs, TeacherHead
 
 __all__ = [
     "Divergence",
@@ -32,6 +32,7 @@ __all__ = [
     "PolicyLossHead",
     "SamplingMask",
     "StepAccumulator",
+    "TeacherHead",
     "TeacherTopK",
     "VocabParallel",
     "fused_policy_loss",

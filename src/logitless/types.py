@@ -83,3 +83,21 @@ class Divergence(NamedTuple):
     divergence: torch.Tensor
     logprobs: torch.Tensor | None
     entropy: torch.Tensor | None
+
+
+class TeacherHead(NamedTuple):
+    """A teacher's final hidden states and LM head: the ``teacher=`` of
+    :func:`logitless.fused_policy_loss` (the distillation term, docs/distillation.md).
+
+    hidden: ``[..., H_t]`` the teacher's hidden states at the student's positions (its width
+    may differ; no gradient). weight: ``[V_t, H_t]``; bias: ``[V_t]`` or None. logit_scale,
+    softcap: the teacher head's transform. vocab_size: the common vocabulary when the two
+    heads differ by padding rows (see :func:`logitless.linear_divergence`).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    logit_scale: float | None = None
+    softcap: float | None = None
+    vocab_size: int | None = None

@@ -29,6 +29,7 @@ class LossCall:
     norm_length: Dr.GRPO's ``L`` for ``seq_mean_token_sum_norm``, else None.
     key: fingerprint of the config and input layout (what document statistics must match).
     group: the context-parallel group, or None.
+    divergence: the per-token divergence to a teacher (differentiable), or None.
     """
 
     config: PolicyLossConfig
@@ -43,6 +44,7 @@ class LossCall:
     norm_length: float | None
     key: int
     group: object | None
+    divergence: torch.Tensor | None = None
 
     def valid_and_dtype(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         """``[N]`` bool of the tokens that count, and the compute dtype (bf16 in -> fp32)."""

@@ -143,6 +143,7 @@ class _Args(NamedTuple):
     entropy: object
     normalizer: object
     document_stats: object
+    divergence: object = None
 
 
 class _Local(NamedTuple):
@@ -185,6 +186,11 @@ def _check_tensors(a: _Args, grouped: bool, for_stats: bool) -> torch.Size:
         raise ValueError("ref_logprobs is required when config.kl_coef > 0")
     if not for_stats and config.entropy_coef != 0 and a.entropy is None:
         raise ValueError("entropy is required when config.entropy_coef != 0")
+    if not for_stats and config.distill_coef != 0 and a.divergence is None:
+        raise ValueError(
+            "divergence is required when config.distill_coef != 0 (fused_policy_loss computes "
+            "it from teacher=)"
+        )
     if config.uses_rollout and a.rollout_logprobs is None:
         raise ValueError(
             "rollout_logprobs is required when a mismatch correction is on "
@@ -192,6 +198,7 @@ def _check_tensors(a: _Args, grouped: bool, for_stats: bool) -> torch.Size:
         )
     optional = {"ref_logprobs": a.ref_logprobs, "rollout_logprobs": a.rollout_logprobs}
     optional["entropy"] = a.entropy
+    optional["divergence"] = a.divergence
     for name, t in optional.items():
         if t is not None:
             _check_float(name, t, shape)
@@ -453,6 +460,7 @@ def _agree(group, error, local: _Local | None, a: _Args, for_stats: bool, what: 
         key,
         a.ref_logprobs is None,
         a.entropy is None,
+        a.divergence is None,
         a.normalizer is None,
         a.document_stats is None,
         for_stats,
@@ -475,8 +483,8 @@ def _agree(group, error, local: _Local | None, a: _Args, for_stats: bool, what: 
         raise ValueError(
             f"{what}: the ranks of the context group made different calls (config, [N] vs "
             "[B, T] input or row count, or which of ref_logprobs / rollout_logprobs / "
-            "entropy / normalizer / document_stats are given); every rank must make the "
-            "same call on its own shard of the stream"
+            "entropy / divergence / normalizer / document_stats are given); every rank must "
+            "make the same call on its own shard of the stream"
         )
     return size, None if -neg_adv == unbounded else -neg_adv
 
@@ -498,6 +506,7 @@ def check_policy_loss(
     for_stats: bool = False,
     what: str = "policy_loss",
     capturable: bool = False,
+    divergence: torch.Tensor | None = None,
 ) -> LossCall:
     """Check a :func:`~logitless.policy_loss` call (same arguments) and return its layout.
 
@@ -518,7 +527,7 @@ def check_policy_loss(
     check_flag("capturable", capturable)
     a = _Args(
         logprobs, old_logprobs, advantages, mask, config, document_ids, ref_logprobs,
-        rollout_logprobs, entropy, normalizer, document_stats,
+        rollout_logprobs, entropy, normalizer, document_stats, divergence,
     )  # fmt: skip
     if group is None or capturable:
         local = _local_checks(a, group, for_stats, capturable)
@@ -545,4 +554,5 @@ def check_policy_loss(
         norm_length=norm_length,
         key=key,
         group=group,
+        divergence=divergence,
     )

@@ -103,6 +103,16 @@ class PolicyLossConfig:
         entropy_aggregation: how the entropy term is aggregated: ``None`` (like the loss, with
             its ``aggregation``) or one of the ``aggregation`` names, with the same counts
             (e.g. ``"token_mean"``: a token mean whatever the loss's aggregation, as TRL does).
+    Distillation (docs/distillation.md)
+        distill_coef: the loss gets ``+ distill_coef · D_t`` per token, ``D_t`` the divergence
+            from a teacher's next-token distribution (``divergence=`` of
+            :func:`~logitless.policy_loss`, computed by :func:`~logitless.fused_policy_loss`
+            from ``teacher=``); ``D`` is reported as ``distill_divergence`` whenever given.
+        distill_beta: which divergence the fused loss computes, TRL's convention (0:
+            KL(teacher‖student), 1: KL(student‖teacher), else the generalized JSD); unused
+            when the divergence is given.
+        distill_aggregation: how the distillation term is aggregated: ``None`` (like the
+            loss) or one of the ``aggregation`` names.
     Train/inference mismatch (needs ``rollout_logprobs``; ``ρ = π_old / π_rollout``)
         mismatch_is: truncated importance sampling, ``"token"`` (``min(ρ_t, cap)``) or
             ``"sequence"`` (``min(Π_t ρ_t, cap)``), or ``None``.
@@ -151,6 +161,9 @@ class PolicyLossConfig:
     kl_importance_weight: bool = False
     entropy_aggregation: str | None = None
     mismatch_is_floor: float | None = None
+    distill_coef: float = 0.0
+    distill_beta: float = 0.0
+    distill_aggregation: str | None = None
 
     def __post_init__(self) -> None:
         _choice("surrogate", self.surrogate, SURROGATES)
@@ -191,6 +204,14 @@ class PolicyLossConfig:
             )
         _number("entropy_coef", self.entropy_coef)
         _choice("entropy_aggregation", self.entropy_aggregation, (None, *AGGREGATIONS))
+        _number("distill_coef", self.distill_coef, minimum=0.0)
+        _number("distill_beta", self.distill_beta, minimum=0.0)
+        if self.distill_beta > 1.0:
+            raise ValueError(
+                f"distill_beta must be in [0, 1] (0: KL(teacher||student), 1: "
+                f"KL(student||teacher), else the generalized JSD), got {self.distill_beta!r}"
+            )
+        _choice("distill_aggregation", self.distill_aggregation, (None, *AGGREGATIONS))
         _number("mismatch_is_cap", self.mismatch_is_cap, minimum=0.0, strict=True)
         if self.mismatch_is_floor is not None:
             _number("mismatch_is_floor", self.mismatch_is_floor, minimum=0.0, strict=True)

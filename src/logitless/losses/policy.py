@@ -40,12 +40,14 @@ def policy_loss(
     context_group: object | None = None,
     document_stats: DocumentStats | None = None,
     capturable: bool = False,
+    divergence: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy-gradient loss from per-token log-probs; returns ``(loss, metrics)``.
 
     Per valid token (``mask`` true and not padding)::
 
         L_t = w_t^mis · surrogate_t + kl_coef · KL_t(π_θ ‖ π_ref) − entropy_coef · H_t
+              + distill_coef · D_t
         loss = Σ_t a_t · L_t                 (a_t: the aggregation weights)
 
     The ratio is per token or per document (GSPO) as ``config.ratio_level`` says; per-document
@@ -82,6 +84,9 @@ def policy_loss(
         rollout_logprobs: log π_rollout from the inference engine; required by the mismatch
             corrections, and enables the mismatch metrics when given.
         entropy: per-token entropy, required when ``config.entropy_coef != 0``.
+        divergence: per-token divergence ``D_t`` from a teacher's next-token distribution
+            (e.g. :func:`logitless.linear_divergence`), differentiable; required when
+            ``config.distill_coef != 0``.
         normalizer: global counts for the step; default: this call's own counts (over the
             context group, if any). Its ``loss_scale`` multiplies the returned loss.
         context_group: the context-parallel ``ProcessGroup`` (see above), or None.
@@ -97,7 +102,8 @@ def policy_loss(
         ``loss``: 0-dim fp32 (or the inputs' float dtype) tensor, times
         ``normalizer.loss_scale``. ``metrics``: dict of detached 0-dim tensors, unscaled. Means
         (``loss``, ``pg_loss``, ``clip_frac_*``, ``ratio_mean``, ``approx_kl``, ``kl_ref``,
-        ``entropy``, ``mismatch_kl``, ``is_weight_mean``, ``is_masked_frac``,
+        ``entropy``, ``distill_divergence``, ``mismatch_kl``, ``is_weight_mean``,
+        ``is_masked_frac``,
         ``ratio_masked_frac``) are weighted like the loss and add up over micro-batches;
         ``ratio_min/max`` and ``is_weight_min/max`` are extremes; ``num_tokens`` /
         ``num_sequences`` count the call's valid tokens and documents. With
@@ -126,6 +132,7 @@ def policy_loss(
         context_group=context_group,
         document_stats=document_stats,
         capturable=capturable,
+        divergence=divergence,
     )
     return compute_policy_loss(call, logprobs, entropy, document_stats)
 

@@ -124,19 +124,39 @@ def kl_to_reference(t: LossTokens) -> Term | None:
     return Term(metrics, addend=c.kl_coef * kl if c.kl_coef > 0 else None)
 
 
+def _own_weights(t: LossTokens, aggregation: str | None):
+    """A term's ``(weights, metric weights)`` under its own ``aggregation`` (None: the loss's,
+    returned as ``(None, t.mweights)``), with the loss's counts."""
+    if aggregation is None:
+        return None, t.mweights
+    counts = (t.validf, t.tokens_in_doc, t.num_tokens, t.num_seqs)
+    weights = aggregation_weights(aggregation, *counts, t.call.norm_length)
+    return weights, metric_weights(aggregation, *counts)
+
+
 def entropy_bonus(t: LossTokens) -> Term | None:
     """``- entropy_coef · H`` per token, aggregated like the loss or with
     ``entropy_aggregation``; the entropy is reported whenever it is given."""
     if t.entropy is None:
         return None
     c = t.config
-    weights, mweights = None, t.mweights
-    if c.entropy_aggregation is not None:
-        counts = (t.validf, t.tokens_in_doc, t.num_tokens, t.num_seqs)
-        weights = aggregation_weights(c.entropy_aggregation, *counts, t.call.norm_length)
-        mweights = metric_weights(c.entropy_aggregation, *counts)
+    weights, mweights = _own_weights(t, c.entropy_aggregation)
     metrics = {"entropy": weighted_mean(t.entropy, mweights)}
     addend = -c.entropy_coef * t.entropy if c.entropy_coef != 0 else None
+    return Term(metrics, addend=addend, weights=weights)
+
+
+def distillation(t: LossTokens) -> Term | None:
+    """``+ distill_coef · D`` per token (``D``: the divergence from a teacher's distribution,
+    differentiable), aggregated like the loss or with ``distill_aggregation``; ``D`` is
+    reported as ``distill_divergence`` whenever it is given."""
+    divergence = t.input(t.call.divergence)
+    if divergence is None:
+        return None
+    c = t.config
+    weights, mweights = _own_weights(t, c.distill_aggregation)
+    metrics = {"distill_divergence": weighted_mean(divergence, mweights)}
+    addend = c.distill_coef * divergence if c.distill_coef != 0 else None
     return Term(metrics, addend=addend, weights=weights)
 
 
@@ -146,4 +166,5 @@ TERMS: dict[str, Callable[[LossTokens], Term | None]] = {
     "mismatch": mismatch_correction,
     "kl": kl_to_reference,
     "entropy": entropy_bonus,
+    "distillation": distillation,
 }

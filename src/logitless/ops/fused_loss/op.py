@@ -22,6 +22,7 @@ import torch
 
 from ...backends import backend_for
 from ...backends.base import RowBatch
+from ...contract.divergence import TeacherTopK
 from ...contract.head import HeadCall, check_head_call
 from ...contract.options import Backend, HeadOptions, SamplerOptions
 from ...contract.vocab import VocabParallel
@@ -29,6 +30,8 @@ from ...losses import LossNormalizer, PolicyLossConfig
 from ...losses.call import LossCall
 from ...losses.checks import check_policy_loss
 from ...sampling import SamplingMask
+from ...types import TeacherHead
+from ..divergence.op import linear_divergence
 from ..rows import kernel_batch, kernel_options, refuse_double_backward, select_rows
 from .replay import replay_policy_loss
 from .row_loss import PolicyRowLoss, RowLoss, all_rows_grad_fn, chunk_grad_fn
@@ -63,6 +66,7 @@ def fused_policy_loss(
     with_kept_mass: bool = False,
     capturable: bool = False,
     row_capacity: int | None = None,
+    teacher: TeacherHead | TeacherTopK | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -116,6 +120,14 @@ def fused_policy_loss(
         capturable, row_capacity: as in :func:`logitless.linear_logprobs`, and the loss's
             checks as in :func:`logitless.policy_loss` with ``capturable=True``: no host read,
             static shapes (docs/capturable.md).
+        teacher: a :class:`~logitless.TeacherHead` (the teacher's hidden states and head) or
+            a :class:`~logitless.TeacherTopK` (its top-k log-probs): the loss gains the
+            distillation term ``config.distill_coef · D`` with ``D`` from
+            :func:`logitless.linear_divergence` (``beta=config.distill_beta``, this call's
+            temperature, head options and labels), exactly as ``policy_loss(...,
+            divergence=D)``; metric ``distill_divergence``. The divergence is its own pass
+            over both heads; its gradient reaches hidden, weight and bias through autograd.
+            Not with sampling replay or ``capturable``.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -136,6 +148,7 @@ def fused_policy_loss(
         rollout_logprobs=rollout_logprobs,
         normalizer=normalizer,
         context_group=context_group,
+        teacher=teacher,
     )
 
 
@@ -154,14 +167,58 @@ def fused_loss_of(
     ``loss_inputs``: ``config``, ``document_ids``, ``ref_logprobs``, ``rollout_logprobs``,
     ``normalizer``, ``context_group`` as in :func:`logitless.policy_loss`."""
     config = loss_inputs.get("config")
+    teacher = loss_inputs.pop("teacher", None)
     entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
     call = check_head_call(
         hidden, weight, labels, bias, options.replace(with_entropy=entropy), sampler
     )
+    divergence = None
+    if teacher is not None:
+        divergence = _teacher_divergence(call, hidden, weight, labels, bias, options, teacher)
+        divergence = divergence(config)
     loss_call = check_loss_of_head(
-        call, old_logprobs=old_logprobs, advantages=advantages, **loss_inputs
+        call,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        divergence=None if divergence is None else divergence.detach(),
+        **loss_inputs,
     )
-    return fused_loss_of_call(call, loss_call)
+    return fused_loss_of_call(call, loss_call, divergence)
+
+
+def _teacher_divergence(call: HeadCall, hidden, weight, labels, bias, options, teacher):
+    """``config -> D``: the per-token divergence from ``teacher`` (``[*batch_shape]``,
+    differentiable), with the call's labels, temperature and head options."""
+    if call.replay is not None or call.capturable:
+        raise ValueError(
+            "teacher= is not supported with sampling replay or capturable=True: the "
+            "divergence op has neither"
+        )
+    if isinstance(teacher, TeacherTopK):
+        pair = dict(teacher_topk=teacher)
+    elif isinstance(teacher, TeacherHead):
+        pair = dict(
+            teacher_hidden=teacher.hidden, teacher_weight=teacher.weight,
+            teacher_bias=teacher.bias, teacher_logit_scale=teacher.logit_scale,
+            teacher_softcap=teacher.softcap, vocab_size=teacher.vocab_size,
+        )  # fmt: skip
+    else:
+        raise ValueError(
+            f"teacher must be a logitless.TeacherHead or logitless.TeacherTopK, got "
+            f"{type(teacher).__name__}"
+        )
+
+    def divergence(config: PolicyLossConfig | None) -> torch.Tensor:
+        beta = config.distill_beta if isinstance(config, PolicyLossConfig) else 0.0
+        return linear_divergence(
+            hidden, weight, labels, bias=bias, beta=beta, temperature=options.temperature,
+            logit_scale=options.logit_scale, softcap=options.softcap,
+            ignore_index=options.ignore_index, chunk_size=options.chunk_size,
+            head_dtype=options.head_dtype, vocab_parallel=options.vocab_parallel,
+            backend=options.backend, **pair,
+        ).divergence  # fmt: skip
+
+    return divergence
 
 
 def check_loss_of_head(
@@ -190,9 +247,12 @@ def check_loss_of_head(
     )
 
 
-def fused_loss_of_call(call: HeadCall, loss_call: LossCall) -> tuple[torch.Tensor, dict]:
+def fused_loss_of_call(
+    call: HeadCall, loss_call: LossCall, divergence: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict]:
     """:func:`fused_policy_loss` of a checked head call and loss call (the HF integration
-    checks both before its backbone runs, then calls this)."""
+    checks both before its backbone runs, then calls this). ``divergence``: the distillation
+    term's ``D`` with its autograd history (the loss call holds it detached)."""
     rows = select_rows(call)
     loss = PolicyRowLoss(loss_call, rows)
     # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
@@ -206,15 +266,30 @@ def fused_loss_of_call(call: HeadCall, loss_call: LossCall) -> tuple[torch.Tenso
         value, metrics, grads = replay_policy_loss(
             call, rows, batch, loss, needs if call.tracked else None, loss_call.group
         )
-    elif not call.tracked:
+    elif not call.tracked and not _tracked(divergence):
         return loss.evaluate(*_no_grad_pass(call, batch), reduce_metrics=True)
     else:
-        value, metrics, grads = _fused_rows(call, rows, batch, loss, loss_call, needs)
-    if grads is not None:
+        value, metrics, grads, d_div = _fused_rows(call, rows, batch, loss, loss_call, needs)
+    if grads is not None and call.tracked:
         value = _StoredGradients.apply(
             value, _GradStore(grads), rows.hidden, call.weight, call.bias
         )
+    if call.replay is None:
+        value = _through_divergence(value, divergence, d_div)
     return value, metrics
+
+
+def _tracked(t: torch.Tensor | None) -> bool:
+    return t is not None and t.requires_grad and torch.is_grad_enabled()
+
+
+def _through_divergence(value, divergence, d_div) -> torch.Tensor:
+    """``value`` with the distillation term's gradient routed into ``divergence``'s history:
+    ``+ Σ D·g - sg(Σ D·g)`` (``g`` = d loss / d D) adds nothing to the value."""
+    if not _tracked(divergence) or d_div is None:
+        return value
+    term = (divergence.reshape(-1).to(d_div.dtype) * d_div.reshape(-1)).sum()
+    return value + (term - term.detach()).to(value.dtype)
 
 
 def _no_grad_pass(call: HeadCall, batch: RowBatch):
@@ -244,10 +319,13 @@ def _fused_rows(call: HeadCall, rows, batch: RowBatch, loss: RowLoss, loss_call,
         stats = loss.stats(prefill) if grouped else None
         grad_fn = all_rows_grad_fn(loss, prefill, prefill_ent, stats)
     opts = kernel_options(call, batch.hidden.shape[0], fused=True)
-    logp, ent, grads = backend_for(opts).fused_rows(batch, opts, grad_fn, needs)
+    if call.tracked:
+        logp, ent, grads = backend_for(opts).fused_rows(batch, opts, grad_fn, needs)
+    else:  # only the divergence needs a gradient
+        (logp, ent), grads = _no_grad_pass(call, batch), None
     with torch.no_grad():
         value, metrics = loss.evaluate(logp, ent, stats, reduce_metrics=True)
-    return value, metrics, grads
+    return value, metrics, grads, loss.divergence_grad(logp, ent, stats)
 
 
 class _GradStore:

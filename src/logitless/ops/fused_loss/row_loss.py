@@ -10,6 +10,7 @@ entropy. :class:`RowLoss` is that interface; :class:`PolicyRowLoss` implements i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -73,6 +74,19 @@ class PolicyRowLoss:
         if en is not None:
             e = grads[1] if grads[1] is not None else torch.zeros_like(en)
         return g, e
+
+    def divergence_grad(self, logp, ent, stats=None) -> torch.Tensor | None:
+        """d loss / d divergence ``[N]`` (the distillation term's weights × its coefficient:
+        they do not depend on the log-probs), or None without a divergence."""
+        if self.call.divergence is None or self.call.config.distill_coef == 0:
+            return None
+        with torch.enable_grad():
+            d = self.call.divergence.detach().requires_grad_()
+            call = dataclasses.replace(self.call, divergence=d)
+            entropy = None if ent is None else self.rows.scatter(ent)
+            loss, _ = compute_policy_loss(call, self.rows.scatter(logp), entropy, stats)
+            (g,) = torch.autograd.grad(loss, d, allow_unused=True)
+        return torch.zeros_like(d) if g is None else g
 
 
 def chunk_grad_fn(
