@@ -163,3 +163,85 @@ def test_no_grad_and_refusals():
         fused_policy_loss(hidden, weight, labels, old, adv, config=cfg, teacher=teacher, top_k=5)
     with pytest.raises(ValueError, match="distill_beta must be in"):
         PolicyLossConfig(distill_beta=1.5)
+
+
+# --------------------------------------------------------------------------------------------
+# the distillation loss alone, and context parallelism
+
+
+def test_distillation_loss_aggregations():
+    from logitless.losses import distillation_loss
+
+    g = torch.Generator().manual_seed(4)
+    d = torch.rand(10, generator=g, requires_grad=True)
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, -1])
+    mask = torch.ones(10, dtype=torch.bool)
+    mask[1] = False
+    valid = mask & (ids >= 0)
+    per_doc = [d[(ids == k) & valid] for k in range(3)]
+    cases = {
+        "token_mean": d[valid].sum() / valid.sum(),
+        "seq_mean_token_mean": sum(x.mean() for x in per_doc) / 3,
+        "seq_mean_token_sum": sum(x.sum() for x in per_doc) / 3,
+    }
+    for agg, want in cases.items():
+        loss, metrics = distillation_loss(d, mask, aggregation=agg, document_ids=ids)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+        assert set(metrics) == {"loss", "distill_divergence", "num_tokens", "num_sequences"}
+        torch.testing.assert_close(
+            torch.autograd.grad(loss, d)[0],
+            torch.autograd.grad(want, d, retain_graph=True)[0],
+            rtol=1e-6,
+            atol=0,
+        )
+    norm = LossNormalizer(num_tokens=20.0, num_sequences=4.0)
+    loss, _ = distillation_loss(d, mask, document_ids=ids, normalizer=norm)
+    torch.testing.assert_close(loss, d[valid].sum() / 20.0, rtol=1e-6, atol=1e-7)
+
+
+def _cp_worker(rank: int, world: int):
+    import torch.distributed as dist
+
+    from logitless import parallel
+
+    group = dist.group.WORLD
+    hidden, weight, bias, labels, (t_hidden, t_weight), old, adv = _batch(6)
+    n = B * T
+    ids = torch.arange(B).repeat_interleave(T)  # each row one document, packed
+    split = lambda x, pad: parallel.context_parallel_split(x, rank, world, pad_value=pad)  # noqa: E731
+    flat = lambda x: x.reshape(n, *x.shape[2:])  # noqa: E731
+    h = split(flat(hidden), 0.0).detach().requires_grad_()
+    lab = split(flat(labels), -100)
+    w = weight.detach().requires_grad_()
+    teacher = TeacherHead(split(flat(t_hidden), 0.0), t_weight)
+    loss, metrics = fused_policy_loss(
+        h, w, lab, split(flat(old), 0.0), adv, config=CONFIGS["grpo_jsd_entropy"],
+        document_ids=split(ids, -1), context_group=group, teacher=teacher, temperature=0.9,
+    )  # fmt: skip
+    loss.backward()
+    dist.all_reduce(w.grad)
+    return loss.detach(), metrics["distill_divergence"], w.grad, h.grad
+
+
+def test_context_parallel_fused_loss_with_teacher():
+    """2 ranks, each a shard of one packed stream: the shares sum to one process's loss, the
+    metrics are its, the weight gradients sum to its."""
+    from _dist import spawn
+
+    results = spawn(_cp_worker, 2, threads=1)
+    hidden, weight, bias, labels, (t_hidden, t_weight), old, adv = _batch(6)
+    n = B * T
+    h = hidden.reshape(n, H).detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    loss, metrics = fused_policy_loss(
+        h, w, labels.reshape(n), old.reshape(n), adv, config=CONFIGS["grpo_jsd_entropy"],
+        document_ids=torch.arange(B).repeat_interleave(T), temperature=0.9,
+        teacher=TeacherHead(t_hidden.reshape(n, HT), t_weight),
+    )  # fmt: skip
+    loss.backward()
+    torch.testing.assert_close(sum(r[0] for r in results), loss.detach(), rtol=1e-5, atol=1e-7)
+    for r in results:
+        torch.testing.assert_close(r[1], metrics["distill_divergence"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(r[2], w.grad, rtol=1e-5, atol=1e-6)
+    got_h = torch.cat([results[0][3], results[1][3]])[:n]  # contiguous: rank 0 first, padded
+    torch.testing.assert_close(got_h, h.grad, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,7 @@ Layout: one small pure function per variant (:mod:`.surrogates`, :mod:`.kl`, :mo
 from .aggregation import aggregation_weights, metric_weights
 from .checks import check_policy_loss
 from .config import PolicyLossConfig
+from .distillation import distillation_loss
 from .kl import importance_weighted_kl, kl_k1, kl_k2, kl_k3, kl_k3_k2_grad, kl_penalty
 from .mismatch import sequence_mask, token_band_mask, truncated_is_sequence, truncated_is_token
 from .normalizer import LossNormalizer, loss_normalizer
@@ -37,6 +38,7 @@ __all__ = [
     "aggregation_weights",
     "check_policy_loss",
     "cispo_surrogate",
+    "distillation_loss",
     "document_stats",
     "dppo_surrogate",
     "gmpo_surrogate",
