@@ -91,20 +91,22 @@ def _run(kind, student, teacher, lay, labels, beta, temperature, upstream):
 
 
 @pytest.mark.parametrize(
-    ("beta", "temperature", "teacher_kind"),
+    ("beta", "temperature", "teacher_kind", "layout"),
     [
-        (0.0, 1.0, "qwen2_bias"),
-        (0.5, 0.8, "gemma2"),
-        (1.0, 1.3, "qwen2_bias"),
-        (0.3, 1.0, "gemma2"),
+        (0.0, 1.0, "qwen2_bias", "right_pad"),
+        (0.5, 0.8, "gemma2", "right_pad"),
+        (1.0, 1.3, "qwen2_bias", "right_pad"),
+        (0.3, 1.0, "gemma2", "right_pad"),
+        (0.3, 0.9, "qwen2_bias", "packed"),  # documents restarting in a row (position_ids)
+        (0.0, 1.0, "qwen2_bias", "cu_seqlens"),
     ],
 )
-def test_divergence_matches_both_models_logits(beta, temperature, teacher_kind):
+def test_divergence_matches_both_models_logits(beta, temperature, teacher_kind, layout):
     student = _model("qwen2")
     teacher = _teacher(teacher_kind)
     # right padding: Gemma-2's eager attention gives NaN at a float64 left-padded row's padding
     # queries (see tests/test_hf.py), which would poison the truth's gradients
-    lay = _layout("right_pad", seed=5)
+    lay = _layout(layout, seed=5)
     labels = _labels(lay)
     g = torch.Generator().manual_seed(11)
     upstream = [torch.randn(labels.shape, generator=g) for _ in range(3)]
