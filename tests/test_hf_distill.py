@@ -130,3 +130,58 @@ def test_mismatched_vocabularies_are_refused():
         hf.causal_lm_divergence(student, teacher, ids)
     out = hf.causal_lm_divergence(student, teacher, ids, vocab_size=384)
     assert out.divergence.shape == ids.shape
+
+
+# --------------------------------------------------------------------------------------------
+# the policy loss with a distillation term: causal_lm_policy_loss(..., teacher=)
+
+
+def _policy(kind, student, teacher, lay, labels, cfg, p):
+    from logitless import policy_loss
+
+    student.zero_grad(set_to_none=True)
+    if kind == "op":
+        loss, metrics = hf.causal_lm_policy_loss(
+            student, lay["ids"], p["old"], p["adv"], config=cfg, temperature=0.9, teacher=teacher,
+            **lay["kw"],
+        )  # fmt: skip
+    else:
+        as_kind = (lambda t: t.double()) if kind == "truth" else (lambda t: t.float())
+        valid = labels != IGNORE
+        z_s = as_kind(student(lay["ids"], use_cache=False, **lay["model_kw"]).logits) / 0.9
+        with torch.no_grad():
+            z_t = as_kind(teacher(lay["ids"], use_cache=False, **lay["model_kw"]).logits) / 0.9
+        lp_s, lp_t = z_s.log_softmax(-1), z_t.log_softmax(-1)
+        div = torch.where(valid, _divergence(lp_s, lp_t, cfg.distill_beta), 0.0)
+        lp = torch.where(valid, lp_s.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0)
+        loss, metrics = policy_loss(
+            lp, as_kind(p["old"]), as_kind(p["adv"]), valid, config=cfg, divergence=div
+        )
+    (1.3 * loss).backward()
+    return loss.detach(), metrics, _grads(student)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4])
+def test_policy_loss_with_a_teacher(beta):
+    from test_hf import _loss_inputs
+
+    from logitless import PolicyLossConfig
+
+    cfg = PolicyLossConfig(clip_high=0.28, distill_coef=0.6, distill_beta=beta)
+    student, teacher = _model("qwen2"), _teacher("qwen2_bias")
+    lay = _layout("right_pad", seed=6)
+    labels = _labels(lay)
+    p = _loss_inputs(student, lay, labels)
+    op = _policy("op", student, teacher, lay, labels, cfg, p)
+    ref = _policy("ref", student, teacher, lay, labels, cfg, p)
+    truth = _policy(
+        "truth", copy.deepcopy(student).double(), copy.deepcopy(teacher).double(), lay, labels,
+        cfg, p,
+    )  # fmt: skip
+    floor = int((labels != IGNORE).sum()) * torch.finfo(torch.float32).eps
+    assert_no_worse_than_reference(op[0], ref[0], truth[0], "loss", floor=floor)
+    assert "distill_divergence" in op[1] and set(op[1]) == set(ref[1])
+    for key in truth[1]:
+        assert_no_worse_than_reference(op[1][key], ref[1][key], truth[1][key], key, floor=floor)
+    _check_grads(op[2], ref[2], truth[2], labels.numel())
+    assert all(p.grad is None for p in teacher.parameters())

@@ -43,6 +43,7 @@ arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from ..contract.head import HeadCall, check_head_call, with_hidden
 from ..contract.options import Backend, HeadOptions, SamplerOptions
 from ..losses import LossNormalizer, PolicyLossConfig
 from ..ops.divergence.op import linear_divergence
-from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call
+from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call, teacher_divergence
 from ..ops.logprobs.op import logprobs_of_call
 from ..packing import (
     cu_seqlens_to_position_ids,
@@ -66,7 +67,7 @@ from ..packing import (
     position_documents,
 )
 from ..sampling import SamplingMask
-from ..types import Divergence, LogProbs
+from ..types import Divergence, LogProbs, TeacherHead
 from .wrappers import FSDPModule, run_in_forward, unwrap
 
 __all__ = [
@@ -873,6 +874,7 @@ def causal_lm_policy_loss(
     capturable: bool = False,
     row_capacity: int | None = None,
     router_aux_loss_coef: float | None = None,
+    teacher: nn.Module | None = None,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RL policy loss of a transformers causal LM: backbone, then :func:`fused_policy_loss`.
@@ -912,6 +914,10 @@ def causal_lm_policy_loss(
             load-balancing loss added to the loss (computed from the same backbone call, as
             the model's forward computes it, and reported as ``metrics["aux_loss"]``). None:
             the model's own rule, see :func:`causal_lm_router_aux_coef`.
+        teacher: a teacher causal LM for the distillation term (``config.distill_coef``,
+            ``config.distill_beta``; docs/distillation.md): its backbone runs without gradient
+            inside its own wrapper's forward on the same inputs, and the loss gains
+            ``distill_coef · D`` as in :func:`logitless.fused_policy_loss` with ``teacher=``.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -940,17 +946,49 @@ def causal_lm_policy_loss(
     )
     loss_inputs = {"old_logprobs": old_logprobs, "advantages": advantages}
     loss_inputs |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
-    loss_options = _LossOptions(config, document_ids, normalizer, router_aux_loss_coef)
+    teacher_out = None
+    if teacher is not None:
+        check_model(teacher)
+        with torch.no_grad():
+            teacher_out = run_in_forward(teacher, _teacher_in_forward, batch, model_kwargs)
+    loss_options = _LossOptions(config, document_ids, normalizer, router_aux_loss_coef, teacher_out)
     return run_in_forward(
         model, _policy_loss_in_forward, batch, options, SamplerOptions.pick(given),
         model_kwargs, loss_inputs, loss_options,
     )  # fmt: skip
 
 
-def _loss_on_head(head: CausalLMHead, prep: _Prepared, hidden: torch.Tensor, loss_call):
+def _loss_on_head(
+    head: CausalLMHead, prep: _Prepared, hidden: torch.Tensor, loss_call, teacher=None
+):
     call = prep.call.replace(weight=head.weight, bias=head.bias)
     with torch.autocast(hidden.device.type, enabled=False):
-        return fused_loss_of_call(with_hidden(call, hidden, prep.options), loss_call)
+        call = with_hidden(call, hidden, prep.options)
+        divergence = None
+        if teacher is not None:
+            divergence = _policy_divergence(call, hidden, head, prep.options, teacher, loss_call)
+            loss_call = dataclasses.replace(loss_call, divergence=divergence.detach())
+        return fused_loss_of_call(call, loss_call, divergence)
+
+
+def _policy_divergence(call: HeadCall, hidden, head: CausalLMHead, options, teacher, loss_call):
+    """The distillation term's ``D`` ``[*batch_shape]`` of a policy-loss call: the student's
+    rows against the teacher's hidden states and head (its options: the call's)."""
+    t_hidden, t_head = teacher
+    shape = call.batch_shape
+    temperature = options.temperature
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        temperature = temperature.reshape(shape)
+    teacher_head = TeacherHead(
+        t_hidden.reshape(*shape, t_hidden.shape[-1]), t_head.weight, t_head.bias,
+        None if t_head.logit_scale == 1.0 else t_head.logit_scale, t_head.softcap,
+    )  # fmt: skip
+    labels = call.labels.reshape(shape)
+    options = options.replace(temperature=temperature)
+    divergence = teacher_divergence(
+        call, hidden, head.weight, labels, head.bias, options, teacher_head
+    )
+    return divergence(loss_call.config)
 
 
 class _LossOptions(NamedTuple):
@@ -960,6 +998,7 @@ class _LossOptions(NamedTuple):
     document_ids: torch.Tensor | None
     normalizer: LossNormalizer | None
     router_aux_loss_coef: float | None
+    teacher: tuple[torch.Tensor, CausalLMHead] | None = None  # its hidden states and head
 
 
 def _policy_loss_in_forward(
@@ -988,6 +1027,11 @@ def _policy_loss_in_forward(
         }
         document_ids = flat("document_ids", document_ids)
         call = call.replace(batch_shape=torch.Size([call.labels.numel()]))
+    if loss_options.teacher is not None:  # its shape stands in until the head computes it
+        loss_inputs = {
+            **loss_inputs,
+            "divergence": call.labels.new_zeros(call.batch_shape, dtype=torch.float32),
+        }
     # The loss contract, checked once before the backbone.
     loss_call = check_loss_of_head(
         call, config=loss_options.config, document_ids=document_ids,
@@ -996,7 +1040,8 @@ def _policy_loss_in_forward(
     out = batch.backbone(lm, model_kwargs, router_logits=aux_coef != 0)
     hidden = out.hidden.reshape(*call.batch_shape, out.hidden.shape[-1])
     prep = prep._replace(call=call)
-    loss, metrics = _with_head(lm, _loss_on_head, prep, hidden, loss_call)
+    teacher = loss_options.teacher
+    loss, metrics = _with_head(lm, _loss_on_head, prep, hidden, loss_call, teacher)
     if out.router_logits is not None:
         aux = _router_aux_loss(lm, out.router_logits, batch.attention_mask)
         loss = loss + aux_coef * aux.to(loss.dtype)

@@ -174,7 +174,7 @@ def fused_loss_of(
     )
     divergence = None
     if teacher is not None:
-        divergence = _teacher_divergence(call, hidden, weight, labels, bias, options, teacher)
+        divergence = teacher_divergence(call, hidden, weight, labels, bias, options, teacher)
         divergence = divergence(config)
     loss_call = check_loss_of_head(
         call,
@@ -186,7 +186,7 @@ def fused_loss_of(
     return fused_loss_of_call(call, loss_call, divergence)
 
 
-def _teacher_divergence(call: HeadCall, hidden, weight, labels, bias, options, teacher):
+def teacher_divergence(call: HeadCall, hidden, weight, labels, bias, options, teacher):
     """``config -> D``: the per-token divergence from ``teacher`` (``[*batch_shape]``,
     differentiable), with the call's labels, temperature and head options."""
     if call.replay is not None or call.capturable:
