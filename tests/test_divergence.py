@@ -481,7 +481,7 @@ def _bad_cases():
         ),
         "beta": (base | {"beta": 1.5}, "beta must be a float in"),
         "beta bool": (base | {"beta": True}, "beta must be"),
-        "triton": (base | {"backend": "triton"}, "not implemented for linear_divergence"),
+        "triton top-k": (sparse | {"backend": "triton"}, "teacher_topk .* runs on the torch"),
         "vocab mismatch": (base | {"teacher_weight": torch.randn(v + 3, 12)}, "pass vocab_size="),
         "vocab_size too large": (
             base | {"teacher_weight": torch.randn(v + 3, 12), "vocab_size": v + 1},

@@ -105,6 +105,7 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
     msgs["top-k id on one rank"] = _expect_error(
         lambda: logitless.linear_divergence(h, w, y, teacher_topk=topk, vocab_parallel=vp)
     )
+    msgs["triton"] = _expect_error(lambda: call(backend="triton"))  # refused on every rank
     out = call()  # still usable: no collective left half-done
     msgs["after"] = "finite" if bool(torch.isfinite(out).all()) else "non-finite"
     return msgs
@@ -158,3 +159,4 @@ def test_bad_input_on_one_rank_raises_on_every_rank(spawned):
     assert "vocab_parallel vocabulary" in first["vocab_size"]
     assert "token ids must be in" in per_rank[1]["errors"]["top-k id on one rank"]
     assert "another rank" in first["top-k id on one rank"]
+    assert "vocab_parallel runs on the torch tiles" in first["triton"]

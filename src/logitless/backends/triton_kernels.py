@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -596,6 +597,11 @@ def _dz_chunk(call: _Call, r0: int, r1: int, v0: int, dz, lse, ent, g, e) -> Non
     )
 
 
+#: ``(r0, r1, v0, dz)``: write d loss / d raw logits of rows ``[r0, r1)`` and columns
+#: ``[v0, v0 + width)`` into the workspace ``dz`` ``[r1 - r0, width]`` (one kernel launch).
+DzWriter = Callable[[int, int, int, torch.Tensor], None]
+
+
 def backward_rows(
     rows: RowBatch, stats: RowStats, up: Upstream, opts: KernelOptions, needs: Needs
 ) -> HeadGrads:
@@ -605,13 +611,29 @@ def backward_rows(
     when that output is unused); needs: which of (hidden, weight, bias) want a gradient.
     """
     grad_logp, grad_ent = up
+    use_e = opts.with_entropy and grad_ent is not None
+    call = _Call(rows, opts)
+    f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+    lse, ent, g_all, e_all = f32(stats.lse), f32(stats.entropy), f32(grad_logp), f32(grad_ent)
+
+    def write_dz(r0: int, r1: int, v0: int, dz: torch.Tensor) -> None:
+        _dz_chunk(call, r0, r1, v0, dz, lse, ent if use_e else None, g_all, e_all)
+
+    return head_grads(rows, opts, needs, write_dz)
+
+
+def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWriter) -> HeadGrads:
+    """Gradients for hidden [M, H], weight [V, H] and bias [V] (in those tensors' dtypes) of
+    the logit gradient that ``write_dz`` writes chunk by chunk into a bounded workspace (in
+    the head dtype): cuBLAS multiplies each chunk out into dW, dh (fp32) and db. Shared by
+    every op whose backward is "recompute the tile, form dz" (the log-prob op, the divergence).
+    """
     hidden, weight, bias = rows.hidden, rows.weight, rows.bias
     num_rows, dim = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
     hd = opts.head_dtype
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
-    use_e = opts.with_entropy and grad_ent is not None
     passes = _row_passes(num_rows, opts)
     one_pass = len(passes) <= 1
     # dW: written once per vocab chunk when one pass covers every row, else summed in fp32.
@@ -627,10 +649,7 @@ def backward_rows(
         dh = torch.zeros_like(hidden) if need_h else None
         return dh, None if dw is None else dw.zero_(), None if db is None else db.to(bias.dtype)
 
-    call = _Call(rows, opts)
     h_all = hidden.to(hd)
-    f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
-    lse, ent, g_all, e_all = f32(stats.lse), f32(stats.entropy), f32(grad_logp), f32(grad_ent)
     dh_acc = None
     for r0, r1 in passes:
         rows = r1 - r0
@@ -642,7 +661,7 @@ def backward_rows(
         for v0 in range(0, vocab, vc):
             width = min(vc, vocab - v0)
             dz = workspace[: rows * width].view(rows, width)
-            _dz_chunk(call, r0, r1, v0, dz, lse, ent if use_e else None, g_all, e_all)
+            write_dz(r0, r1, v0, dz)
             if db is not None:
                 db[v0 : v0 + width] += dz.sum(0, dtype=torch.float32)
             if dw is not None:
@@ -682,4 +701,4 @@ def fused_rows(
     return stats.logp, stats.entropy, backward_rows(rows, stats, Upstream(g, e), opts, needs)
 
 
-__all__ = ["backward_rows", "forward_rows", "fused_rows"]
+__all__ = ["backward_rows", "forward_rows", "fused_rows", "head_grads"]

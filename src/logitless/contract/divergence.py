@@ -170,7 +170,8 @@ def check_divergence_call(
         return _check_divergence_rules(weight, bias, teacher, teacher_topk, options, div)
 
     vocab = _agreed(own_rules, vp, labels)
-    options = dataclasses.replace(options, backend="torch")
+    if teacher_topk is not None or vp is not None:  # "auto": the torch tiles run these
+        options = dataclasses.replace(options, backend="torch")
     w, b = _prefix(weight, vocab), None if bias is None else _prefix(bias, vocab)
     student = check_head_call(hidden, w, labels, b, options)
     teacher_call = topk = None
@@ -185,6 +186,9 @@ def check_divergence_call(
         t_w = _prefix(t_weight, vocab)
         t_b = None if t_bias is None else _prefix(t_bias, vocab)
         teacher_call = check_head_call(t_hidden, t_w, labels, t_b, t_options)
+        if teacher_call.backend != student.backend:  # "auto" on heads of two dtypes
+            student = student.replace(backend="torch")
+            teacher_call = teacher_call.replace(backend="torch")
     else:
 
         def check_topk() -> TopKRows:
@@ -218,12 +222,14 @@ def _prefix(t: object, vocab: int | None) -> object:
 def _check_divergence_rules(
     weight, bias, teacher, teacher_topk, options: HeadOptions, div
 ) -> int | None:
-    """Which teacher, frozen teacher tensors, the backend, top-k only with ``beta=0``;
+    """Which teacher, frozen teacher tensors, the backend (Triton: a dense teacher without
+    vocab parallelism), top-k only with ``beta=0``;
     returns the common vocabulary (rows of each head used; None: the heads as given)."""
-    if options.backend == "triton":
+    if options.backend == "triton" and (teacher_topk is not None or options.vocab_parallel):
+        what = "teacher_topk (a sparse teacher)" if teacher_topk is not None else "vocab_parallel"
         raise ValueError(
-            "backend='triton' is not implemented for linear_divergence yet: use "
-            "backend='torch' (or 'auto', which picks the torch tiles for this op)"
+            f"backend='triton' runs linear_divergence with a dense teacher on one device; "
+            f"{what} runs on the torch tiles: use backend='torch' (or 'auto', which picks them)"
         )
     if options.capturable:
         raise ValueError("linear_divergence has no capturable mode yet")
