@@ -99,9 +99,12 @@ def linear_divergence(
         vocab_parallel: a :class:`~logitless.VocabParallel` when both heads are split over one
             tensor-parallel group the same way: ``weight``, ``bias``, ``teacher_weight`` and
             ``teacher_bias`` are this rank's rows; every rank gets the same outputs.
-        backend: ``"auto"`` or ``"torch"`` (the bounded fp32 tiles). The Triton kernels do
-            not implement this op yet: ``"triton"`` raises ``ValueError``; ``"auto"`` picks the
-            torch tiles.
+        backend: ``"torch"`` (the bounded fp32 tiles), ``"triton"`` (both heads' tiles in one
+            kernel program, logits in registers; CUDA tensors, or CPU ones under
+            ``TRITON_INTERPRET=1``; fp32 / bf16 / fp16 heads) or ``"auto"``, which picks Triton
+            where :func:`~logitless.linear_logprobs` would (16-bit heads on CUDA). Triton runs
+            the dense teacher only: with ``teacher_topk`` or ``vocab_parallel``, ``"triton"``
+            raises ``ValueError`` and ``"auto"`` runs the torch tiles.
 
     Returns:
         :class:`~logitless.Divergence` ``(divergence, logprobs, entropy)``: fp32 tensors of
