@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _host_reads import HostRead, _Detector
 from _tolerance import assert_no_worse_than_reference
 
 import logitless
@@ -557,3 +558,42 @@ def test_bench_distill_methods_run_in_process():
         method.build(work, inputs)()
         if method.role != "floor":
             assert bool(torch.isfinite(inputs.weight.grad).all()), name
+
+
+class _ReadCounter(_Detector):
+    """Counts the host reads of tests/_host_reads.py (instead of raising on the first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except HostRead as e:
+            self.reads.append(str(e))
+            return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4])
+def test_a_dense_call_reads_the_device_once(beta, monkeypatch):
+    """Both heads' checks (labels, temperature, the valid-row count) share one host read: the
+    teacher's reuses the student's values; forward and backward read nothing more."""
+    counter = _ReadCounter()
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self, *args, **kwargs):
+        counter.reads.append("tolist")
+        with torch.utils._python_dispatch._disable_current_modes():
+            return tolist(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    hidden, weight, t_hidden, t_weight, labels = _small(dtype=torch.float32)
+    temperature = torch.rand(labels.shape) + 0.5
+    with counter:
+        out = logitless.linear_divergence(
+            hidden, weight, labels, t_hidden, t_weight, beta=beta, temperature=temperature,
+            with_entropy=True,
+        )  # fmt: skip
+        out.divergence.sum().backward()
+    assert counter.reads == ["tolist"], counter.reads

@@ -185,7 +185,8 @@ def check_divergence_call(
         )
         t_w = _prefix(t_weight, vocab)
         t_b = None if t_bias is None else _prefix(t_bias, vocab)
-        teacher_call = check_head_call(t_hidden, t_w, labels, t_b, t_options)
+        # the same labels and temperature: the student's value checks stand (no second read)
+        teacher_call = check_head_call(t_hidden, t_w, labels, t_b, t_options, values_of=student)
         if teacher_call.backend != student.backend:  # "auto" on heads of two dtypes
             student = student.replace(backend="torch")
             teacher_call = teacher_call.replace(backend="torch")

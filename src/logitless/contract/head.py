@@ -80,6 +80,8 @@ def check_head_call(
     bias: torch.Tensor | None,
     options: HeadOptions,
     sampler: SamplerOptions | None = None,
+    *,
+    values_of: HeadCall | None = None,
 ) -> HeadCall:
     """The one check of a head call (and of its sampling replay), or ``ValueError``.
 
@@ -88,11 +90,15 @@ def check_head_call(
     labels and kept ids are checked against the global vocabulary, and the call is collective:
     every rank joins one agreement whether or not its own inputs passed, so a bad input on one
     rank raises on all of them instead of leaving the others waiting.
+
+    ``values_of``: a call already checked on the same ``labels`` and temperature (a second
+    head over the same positions, e.g. a divergence's teacher): its value checks stand, so
+    this call reads nothing from the device (its labels must be in its own vocabulary too).
     """
     sampler = sampler if sampler is not None else SamplerOptions()
 
     def check() -> HeadCall:
-        return _check(hidden, weight, labels, bias, options, sampler)
+        return _check(hidden, weight, labels, bias, options, sampler, values_of)
 
     vp = options.vocab_parallel
     if vp is None or options.capturable:  # capturable: no agreement (it reads the device)
@@ -101,13 +107,16 @@ def check_head_call(
     return call
 
 
-def _check(hidden, weight, labels, bias, options: HeadOptions, sampler: SamplerOptions):
+def _check(hidden, weight, labels, bias, options: HeadOptions, sampler, values_of: HeadCall | None):
     _check_plain_tensors(hidden=hidden, weight=weight, labels=labels, bias=bias)
     label_vocab = _check_layout(hidden, weight, labels, bias, options)
     head_dtype = options.head_dtype if options.head_dtype is not None else hidden.dtype
     backend = resolve_backend(options.backend, weight.device, head_dtype)
-    check = _assert_values if options.capturable else _check_values
-    temp, num_valid = check(labels, options, label_vocab, compute_dtype(head_dtype))
+    if values_of is not None:
+        temp, num_valid = _reused_values(values_of, label_vocab, compute_dtype(head_dtype))
+    else:
+        check = _assert_values if options.capturable else _check_values
+        temp, num_valid = check(labels, options, label_vocab, compute_dtype(head_dtype))
     flat = labels.reshape(-1).long()
     if options.capturable and sampler.replaying:
         raise ValueError(
@@ -315,6 +324,20 @@ def _check_values(
     if rest and rest[0]:
         raise ValueError(_TEMPERATURE_MESSAGE)
     return temp, int(num_valid)
+
+
+def _reused_values(checked: HeadCall, label_vocab: int, stats_dtype: torch.dtype):
+    """The per-row temperature (in ``stats_dtype``) and valid-row count of a call already
+    checked on the same labels, whose label vocabulary must not exceed this head's."""
+    vp = checked.vocab_parallel
+    checked_vocab = checked.weight.shape[0] if vp is None else vp.vocab_size
+    if checked_vocab > label_vocab:
+        raise ValueError(
+            f"the heads' label vocabularies differ: {checked_vocab} checked, this head has "
+            f"{label_vocab} rows"
+        )
+    temp = checked.temperature
+    return (None if temp is None else temp.to(stats_dtype)), checked.num_valid
 
 
 def with_hidden(call: HeadCall, hidden: object, options: HeadOptions) -> HeadCall:
