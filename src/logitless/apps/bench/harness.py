@@ -49,6 +49,7 @@ CSV_COLUMNS = (
     "mem_vs_naive",
     "mem_vs_floor",
     "mem_floor_mb",
+    "time_vs_floor6",
     "note",
     "machine",
     "torch",
@@ -154,13 +155,14 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def add_ratios(rows: Sequence[Row]) -> None:
-    """Fill each ok row's time and memory ratios vs naive, floor3/floor4 and the memory floor.
+    """Fill each ok row's time and memory ratios vs naive, floor3/floor4 (floor6: the
+    distillation task's six matmuls) and the memory floor.
 
     Ratios are taken against rows of the same workload in the same run; a missing reference
     (not selected, failed) leaves the ratio empty.
     """
     by_method = {r.method: r for r in rows if r.ok}
-    naive, f3, f4 = (by_method.get(m) for m in ("naive", "floor3", "floor4"))
+    naive, f3, f4, f6 = (by_method.get(m) for m in ("naive", "floor3", "floor4", "floor6"))
     for r in rows:
         if not r.ok:
             continue
@@ -169,6 +171,7 @@ def add_ratios(rows: Sequence[Row]) -> None:
             "time_vs_naive": _ratio(r.time_p50_s, naive and naive.time_p50_s),
             "time_vs_floor3": _ratio(r.time_p50_s, f3 and f3.time_p50_s),
             "time_vs_floor4": _ratio(r.time_p50_s, f4 and f4.time_p50_s),
+            "time_vs_floor6": _ratio(r.time_p50_s, f6 and f6.time_p50_s),
             "mem_vs_naive": _ratio(r.peak_extra_mb, naive and naive.peak_extra_mb),
             "mem_vs_floor": _ratio(r.peak_extra_mb, floor_mb),
         }
@@ -290,6 +293,7 @@ def format_table(rows: Sequence[Row], warning: str = "") -> str:
         "time/naive",
         "time/floor3",
         "time/floor4",
+        "time/floor6",
         "mem/naive",
         "mem/memfloor",
     )
@@ -311,6 +315,7 @@ def format_table(rows: Sequence[Row], warning: str = "") -> str:
                             "time_vs_naive",
                             "time_vs_floor3",
                             "time_vs_floor4",
+                            "time_vs_floor6",
                             "mem_vs_naive",
                             "mem_vs_floor",
                         )
@@ -320,7 +325,7 @@ def format_table(rows: Sequence[Row], warning: str = "") -> str:
             if r.reason:
                 notes.append(f"  {r.method}: {r.reason}")
         else:
-            body.append((str(r.work.tokens), r.method, r.status, *("-" * 7)))
+            body.append((str(r.work.tokens), r.method, r.status, *("-" * 8)))
             where = f" (tokens={r.work.tokens})" if r.status == "failed" else ""
             notes.append(f"  {r.method} {r.status}{where}: {r.reason}")
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
