@@ -51,6 +51,9 @@ stage bench-loss 170 "${bench[@]}" --task loss --dtype bfloat16 --hidden 3584 --
 # Sampling replay against the full-vocabulary op (a 64-id mask, top_k=512 / top_p=0.95).
 stage bench-replay 200 "${bench[@]}" --task replay --dtype bfloat16 --hidden 3584 \
     --vocab 152064 --tokens 16384
+# Distillation: the divergence to a teacher head (naive, logitless, six matmuls, TRL's chunked).
+stage bench-distill 200 "${bench[@]}" --task distill --dtype bfloat16 --hidden 3584 \
+    --vocab 152064 --tokens 16384
 # Kernel-level breakdown: no-grad forward vs one bare matmul, kernel times, syncs, memory.
 stage probe 110 python3 benchmarks/triton_probe.py --quick --skip-correctness
 

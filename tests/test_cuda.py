@@ -297,3 +297,32 @@ def test_replay_matches_reference(case, backend, request):
     if case.small_tiles:
         request.getfixturevalue("small_tiles_cuda")
     trp.check_case(case, backend=backend, device="cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# linear_divergence: every case of the CPU matrix, on both backends (Triton: dense teachers)
+
+import test_divergence as tdv  # noqa: E402
+
+
+def _divergence_inputs(case):
+    d = tdv.make_inputs(case)
+    topk = d.pop("topk", None)
+    d = to_dev(d)
+    if topk is not None:
+        d["topk"] = type(topk)(*(t.to(DEV) for t in topk))
+    return d
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", tdv.CASES, ids=[c.id for c in tdv.CASES])
+def test_divergence_cuda_matches_reference_and_float64(case, backend):
+    if backend == "triton" and (case.topk is not None or case.dtype == "fp64"):
+        pytest.skip("the Triton backend takes dense 16/32-bit heads (topk, float64: torch)")
+    d = _divergence_inputs(case)
+    op = tdv.run(
+        functools.partial(logitless.linear_divergence, backend=backend), case, d,
+        chunk_size=case.chunk,
+    )  # fmt: skip
+    ref = tdv.run(reference.linear_divergence, case, d)
+    tdv.compare(op, ref, tdv.run_truth(case, d), d["labels"])
