@@ -40,6 +40,14 @@ RUN = dict(
 )
 
 
+def _accelerate_env(rank: int, world: int) -> None:
+    """The variables accelerate reads to see a multi-process run (the group already exists)."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+    )  # fmt: skip
+
+
 def _force_fsdp2(trainer) -> None:
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -64,10 +72,7 @@ def _bypass_wrappers() -> None:
 
 
 def _worker(rank: int, world: int, model_dir: str, kind: str, tmp: str, options: dict, bypass):
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-    )  # fmt: skip
+    _accelerate_env(rank, world)
     from logitless.integrations.trl import LogitlessGRPOTrainer
 
     T._TOKENIZERS[model_dir] = T.make_tokenizer()
@@ -140,10 +145,7 @@ def test_bypassing_the_wrapper_is_caught(tmp_path):
 
 
 def _distill_worker(rank: int, world: int, student: str, teacher: str, kind: str, tmp: str):
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-    )  # fmt: skip
+    _accelerate_env(rank, world)
     from logitless.integrations.trl import LogitlessDistillationTrainer
 
     T._TOKENIZERS[student] = T.make_tokenizer()

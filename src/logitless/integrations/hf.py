@@ -494,13 +494,20 @@ def _head_options(options: HeadOptions, head: CausalLMHead) -> HeadOptions:
     logit scale) and, under autocast, the autocast dtype for the projection (``lm_head`` runs
     in it)."""
     head_dtype = options.head_dtype
-    if head_dtype is None and torch.is_autocast_enabled(head.weight.device.type):
-        head_dtype = torch.get_autocast_dtype(head.weight.device.type)
+    if head_dtype is None:
+        head_dtype = autocast_dtype(head.weight.device)
     return options.replace(
         softcap=head.softcap,
         logit_scale=None if head.logit_scale == 1.0 else head.logit_scale,
         head_dtype=head_dtype,
     )
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``lm_head`` runs in under the autocast active on ``device`` (None: none)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 class _ModelBatch(NamedTuple):

@@ -436,6 +436,18 @@ class _Layout(NamedTuple):
         return full
 
 
+def completion_batch(inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A TRL trainer's micro-batch as the HF functions take it: ``input_ids`` and
+    ``attention_mask`` ``[B, P + C]`` (prompt then completion) and the ``[B, C]`` loss mask
+    (``completion_mask``, times ``tool_mask`` when present)."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    return input_ids, attention_mask, mask
+
+
 class _Step(NamedTuple):
     """What one micro-batch's forward returns: the loss (the MoE router loss apart, TRL adds
     it with its own weight) and the no-grad ``[B, C]`` tensors TRL logs from."""
@@ -448,13 +460,6 @@ class _Step(NamedTuple):
     mask: torch.Tensor
     ref: torch.Tensor | None
     entropies: torch.Tensor | None
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype ``lm_head`` runs in under the active autocast (None: no autocast)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
 
 
 def _head_kwargs(head: hf.CausalLMHead, temperature: float, head_dtype: torch.dtype | None) -> dict:
@@ -550,11 +555,7 @@ class LogitlessGRPOMixin:
         """One micro-batch's loss on the unwrapped model ``lm``, inside the wrapper's forward:
         the backbone once, a no-grad head pass for the current log-probs and entropies (TRL's
         metrics and masks, and the old log-probs on-policy), then the fused loss."""
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # [B, P+C]
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        mask = inputs["completion_mask"]  # [B, C], the loss mask
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        input_ids, attention_mask, mask = completion_batch(inputs)
         labels = hf.causal_lm_labels(
             input_ids, attention_mask=attention_mask, response_mask=layout.response_mask(mask)
         )
@@ -562,7 +563,7 @@ class LogitlessGRPOMixin:
             out = hf._run_backbone(
                 lm, input_ids, attention_mask, None, {}, router_logits=self.aux_loss_enabled
             )
-            head_dtype = _autocast_dtype(out.hidden.device)
+            head_dtype = hf.autocast_dtype(out.hidden.device)
         aux = None
         if out.router_logits is not None:
             aux = hf._router_aux_loss(lm, out.router_logits, attention_mask)

@@ -87,14 +87,11 @@ class LogitlessDistillationMixin:
             # TRL's count over the generated completions, per process (DDP averages)
             num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0)
             num_items_in_batch = num_items_in_batch / self.accelerator.num_processes
-        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        response = torch.zeros_like(attention_mask, dtype=torch.bool)
-        response[:, prompt_ids.shape[1] :] = mask.bool()  # the tokens whose prediction counts
+        from .trl import _Layout, completion_batch  # the GRPO trainer's own batch layout
+
+        input_ids, attention_mask, mask = completion_batch(inputs)
+        layout = _Layout(inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1])
+        response = layout.response_mask(mask)  # the tokens whose prediction counts
         self.teacher_model.eval()
         with self.accelerator.autocast():
             out = hf.causal_lm_divergence(
