@@ -363,12 +363,7 @@ def _worker(rank: int, world: int, uneven: bool) -> dict:
 
 @functools.cache
 def _spawned(world: int, uneven: bool):
-    # One intra-op thread per rank, so the ranks' reductions do not depend on how many threads
-    # the BLAS chooses on a shared 2-core machine. With the default threads, every run for a
-    # few minutes after a CI run (and none before or since) gave one log-prob at 5x the
-    # reference's error (2.3e-5 against 4.6e-6); the cause was not pinned down (no
-    # uninitialized memory: fill_uninitialized_memory changed nothing).
-    return world, _ranges(world, uneven), spawn(_worker, world, uneven, threads=1)
+    return world, _ranges(world, uneven), spawn(_worker, world, uneven)
 
 
 @pytest.fixture(
