@@ -56,12 +56,22 @@ def comm_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-@torch.compiler.assume_constant_result
 def signature(*parts: object) -> int:
     """A process-independent 31-bit fingerprint of ``parts`` (``hash`` is salted per process).
 
     ``parts`` are Python values (configs, shapes, flags), so under ``torch.compile`` the
-    fingerprint is a constant of the traced code, computed once while tracing."""
+    fingerprint is a constant of the traced code, computed once while tracing. The function
+    marked constant for the compiler lives in a module imported only while compiling:
+    marking it here would import ``torch._dynamo`` (1.5 s) with ``import logitless``."""
+    if torch.compiler.is_compiling():
+        from logitless.contract._traced import constant_fingerprint
+
+        return constant_fingerprint(*parts)
+    return fingerprint(parts)
+
+
+def fingerprint(parts: tuple[object, ...]) -> int:
+    """The fingerprint of :func:`signature`, eagerly."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
