@@ -338,6 +338,41 @@ def test_compute_loss_matches_trl(name, model_dir, tmp_path):
         assert value == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
 
 
+def test_compute_loss_under_bf16_matches_trl(model_dir, tmp_path):
+    """TRL's default ``bf16=True``: stock TRL scores and computes its loss under the
+    accelerator's autocast (the head in bf16), and so does the adapter. The metrics computed
+    from the head (entropy, kl) equal TRL's, which they would not with an fp32 head (2.7976 vs
+    2.7973 here); the loss and every gradient are within 4x TRL's own bf16 error against the
+    same loss computed without autocast (an fp32 stock trainer on the same batch)."""
+    options, attrs, tweaks = COMBOS["off_policy_mask_entropy_kl"]
+    results, inputs = {}, None
+    # One after the other: the accelerator's mixed-precision setting is process-wide state.
+    for name, cls, bf16 in (
+        ("fp32", trl.GRPOTrainer, False),
+        ("stock", trl.GRPOTrainer, True),
+        ("ours", LogitlessGRPOTrainer, True),
+    ):
+        args = _args(tmp_path / name, **options, bf16=bf16)
+        trainer = _trainer(cls, model_dir, args, **attrs)
+        assert trainer.accelerator.mixed_precision == ("bf16" if bf16 else "no")
+        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+        inputs = _batch(trainer, tweaks) if inputs is None else inputs
+        trainer.model.train()
+        results[name] = _loss_and_grads(trainer, inputs)
+    (op_loss, op_grads, op_metrics), (ref_loss, ref_grads, ref_metrics) = (
+        results["ours"],
+        results["stock"],
+    )
+    true_loss, true_grads, true_metrics = results["fp32"]
+    assert_no_worse_than_reference(op_loss, ref_loss, true_loss, "bf16 loss")
+    assert set(op_grads) == set(ref_grads) == set(true_grads)
+    for param, g in op_grads.items():
+        assert_no_worse_than_reference(g, ref_grads[param], true_grads[param], f"bf16 {param}")
+    for key in ("entropy", "kl"):
+        assert op_metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5), key
+    assert op_metrics["entropy"] != pytest.approx(true_metrics["entropy"], rel=1e-5)
+
+
 def test_loss_configs_of_trl_presets():
     """The PolicyLossConfig each TRL preset maps to (the table of docs/trl.md)."""
 

@@ -91,6 +91,25 @@ def test_compute_loss_matches_trl(options, models, tmp_path):
     assert all(p.grad is None for p in ours.teacher_model.parameters())
 
 
+def test_compute_loss_under_bf16_matches_trl(models, tmp_path):
+    """TRL's default ``bf16=True``: stock TRL runs its loss through its forward redirection,
+    which bypasses the autocast accelerate wraps the model's forward in, so both models and
+    heads compute in their own dtype (fp32 here). The logitless trainer must do the same: the
+    same loss, gradients and entropy as stock TRL (under autocast the loss was 1e-4 and the
+    embedding gradient 1e-3 away)."""
+    stock = _trainer(trl.DistillationTrainer, models, tmp_path / "a", beta=0.5, bf16=True)
+    ours = _trainer(LogitlessDistillationTrainer, models, tmp_path / "b", beta=0.5, bf16=True)
+    assert ours.accelerator.mixed_precision == "bf16"
+    inputs = stock._generate_and_score_completions(next(iter(stock.get_train_dataloader())))
+    a = _loss_and_grads(ours, inputs, True)
+    b = _loss_and_grads(stock, inputs, True)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+    for name, g in b[1].items():
+        atol = 1e-6 * max(1.0, float(g.abs().max()))
+        torch.testing.assert_close(a[1][name], g, rtol=1e-4, atol=atol, msg=name)
+    assert a[2] == pytest.approx(b[2], rel=1e-5)
+
+
 @pytest.mark.parametrize("options", BETAS[1:3])
 def test_train_matches_trl(options, models, tmp_path):
     runs = []

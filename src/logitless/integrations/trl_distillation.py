@@ -17,6 +17,10 @@ else by the local token count; the logged ``entropy`` is the student's mean per-
 over the processes. Generation, logging and the optimizer loop stay TRL's. (A subclass of your
 own gets the same from :class:`LogitlessDistillationMixin`.)
 
+Mixed precision: with ``bf16=True`` (TRL's default) stock TRL computes this loss outside the
+accelerator's autocast (its forward redirection replaces the forward accelerate wraps in
+autocast), so both models and heads run in their own dtype; so does this trainer.
+
 Refused before training (``ValueError`` naming the reason): models outside
 :data:`logitless.integrations.hf.SUPPORTED_MODELS` (student or teacher), vision-language
 models, FSDP1 and DeepSpeed. Tested with TRL 1.16 (tests/test_trl_distill.py).
@@ -93,12 +97,15 @@ class LogitlessDistillationMixin:
         layout = _Layout(inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1])
         response = layout.response_mask(mask)  # the tokens whose prediction counts
         self.teacher_model.eval()
-        with self.accelerator.autocast():
-            out = hf.causal_lm_divergence(
-                model, self.teacher_model, input_ids, attention_mask=attention_mask,
-                response_mask=response, beta=float(self.beta),
-                temperature=float(self.temperature), with_entropy=True,
-            )  # fmt: skip
+        # No accelerator.autocast() here: stock TRL runs its whole loss through its forward
+        # redirection, which swaps out the forward accelerate wraps in autocast, so under
+        # bf16=True both backbones and heads run in the models' own dtype. So does this call
+        # (run_in_forward borrows the forward the same way).
+        out = hf.causal_lm_divergence(
+            model, self.teacher_model, input_ids, attention_mask=attention_mask,
+            response_mask=response, beta=float(self.beta),
+            temperature=float(self.temperature), with_entropy=True,
+        )  # fmt: skip
         valid = mask.sum()  # TRL's count of the loss's tokens
         loss = out.divergence.sum()
         if num_items_in_batch is None:
