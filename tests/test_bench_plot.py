@@ -117,6 +117,33 @@ def test_one_shape_is_bars_with_floors_as_lines() -> None:
 
 
 @needs_mpl
+@pytest.mark.parametrize("tokens", [(1024,), (256, 1024)])
+def test_every_floor_of_a_task_is_drawn_in_a_legend_under_the_panels(tokens) -> None:
+    """The distillation task's floor is ``floor6``; the floors' legend is the figure's, below
+    both panels, so it never covers a bar or an axis label."""
+    from logitless.apps.bench.plot import make_figure
+
+    rows = []
+    for n in tokens:
+        group = [
+            Row(m, _work(n, task="distill"), "ok", "", t, t, t, mb)
+            for m, t, mb in (("naive", 4.0, 300.0), ("logitless", 2.0, 20.0), ("floor6", 1.5, 0))
+        ]
+        add_ratios(group)
+        rows += group
+    fig = make_figure(rows, CPU)
+    fig.canvas.draw()
+    ax_t = fig.axes[0]
+    floor6 = [line for line in ax_t.lines if line.get_label().startswith("floor6: 6 bare")]
+    assert len(floor6) == 1 and floor6[0].get_linestyle() != "-"
+    legend = fig.legends[0].get_window_extent()
+    for ax in fig.axes[:2]:
+        assert not ax.get_legend()  # no legend inside an axis
+        label = ax.xaxis.label.get_window_extent()
+        assert legend.y1 <= label.y0 or legend.x1 <= label.x0 or legend.x0 >= label.x1
+
+
+@needs_mpl
 def test_sweep_is_lines_on_readable_log_axes() -> None:
     from logitless.apps.bench.plot import make_figure
 

@@ -53,3 +53,15 @@ def test_module_version_matches_pyproject() -> None:
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     declared = tomllib.loads(pyproject.read_text())["project"]["version"]
     assert logitless.__version__ == declared
+
+
+def test_bench_help_lists_every_task_and_its_methods(capsys: pytest.CaptureFixture[str]) -> None:
+    from logitless.apps.bench.methods import TASK_SUMMARY, TASKS
+
+    assert set(TASK_SUMMARY) == set(TASKS)  # a new task needs its line of help
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for task, methods in TASKS.items():
+        assert f"{task}: {' '.join(TASK_SUMMARY[task].split())}" in text
+        assert f"{task}: {', '.join(methods)}" in text

@@ -427,3 +427,17 @@ def test_cli_demo_seeds_default(capsys):
     assert cli.main([*argv, "--quiet", "--no-plot"]) == 0
     out = capsys.readouterr().out
     assert "1 steps, seed 0," in out and "seed 1" not in out and "final reward" not in out
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="needs matplotlib (the [bench] extra)")
+def test_plot_demo_names_the_window_it_averages(tmp_path, monkeypatch):
+    """A 5-step run averages over 2 steps (half the run), and the legend says so."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    result = _result("logitless", 0, [0.1, 0.3, 0.5, 0.7, 0.9])
+    assert result.window() == 2
+    assert plot_demo([result], tmp_path / "one.png")
+    labels = [line.get_label() for line in saved[0].axes[0].lines]
+    assert "logitless: 2-step moving mean (final 0.80)" in labels

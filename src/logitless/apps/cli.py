@@ -58,31 +58,30 @@ def _default_threads() -> int:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``logitless bench``."""
-    from .bench.methods import TASKS
+    from .bench.methods import TASK_SUMMARY, TASKS
     from .bench.workload import DTYPES
 
+    tasks = "; ".join(f"{t}: {TASK_SUMMARY[t]}" for t in TASKS)
+    methods = "; ".join(f"{t}: {', '.join(TASKS[t])}" for t in TASKS)
     p = subparsers.add_parser(
         "bench",
         help="time and memory of each method on a task (log-probs + entropy, the fused "
-        "loss, sampling replay, the capturable mode), forward + backward",
+        "loss, the capturable mode, distillation, sampling replay), forward + backward",
         description=(
-            "Measure forward+backward of a task (--task logprobs: log-probs + entropy; loss: "
-            "the fused policy loss; replay: sampling replay; capturable: the capturable mode "
-            "against the default) for each method, each in a fresh "
+            f"Measure forward+backward of a task ({tasks}) for each method, each in a fresh "
             "subprocess: median time and peak extra memory, as ratios vs naive and vs a "
             "pure-matmul floor timed in the same run. Default shape: a Qwen2.5-0.5B-like "
             "head (H=896, V=151936), fp32. A run on a busy machine is flagged."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--task", choices=sorted(TASKS), default="logprobs", help="what to compute")
+    p.add_argument("--task", choices=list(TASKS), default="logprobs", help="what to compute")
     p.add_argument(
         "--methods",
         nargs="+",
         metavar="METHOD",
         default=argparse.SUPPRESS,
-        help="methods to run (space or comma separated); default: all of the task's "
-        f"({', '.join(TASKS['logprobs'])} for logprobs)",
+        help=f"methods to run (space or comma separated); default: all of the task's ({methods})",
     )
     p.add_argument(
         "--tokens", type=_positive_int, nargs="+", default=[1024], help="N; several = sweep"
@@ -211,9 +210,8 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         rounds=rounds,
     )
     busy = load.report().note()
-    print(format_table(rows, warning=busy))
+    print(format_table(rows, warning=busy))  # the table's last line carries the warning
     if busy:
-        print(f"warning: {busy}", file=sys.stderr)
         for r in rows:  # the CSV's note column keeps it
             r.reason = "; ".join(n for n in (r.reason, busy) if n)
     if not args.no_csv:

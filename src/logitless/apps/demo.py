@@ -259,7 +259,8 @@ class DemoResult:
         return sum(r.seconds for r in self.rows)
 
     def summary(self) -> str:
-        """One line: reward first -> last (10-step means), peak step memory, times, e.g.
+        """One line: reward first -> last (means of :meth:`window` steps), peak step memory,
+        times, e.g.
         ``logitless, seed 0: reward 0.096 -> 0.993 (first/last 10 steps), peak step memory
         66 MB median / 86 MB max, 200 steps in 46 s (run 52 s with build and warm-up)``."""
         head = f"{self.config.mode}, seed {self.config.seed}"
@@ -885,7 +886,8 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def final_rewards(results: Sequence[DemoResult]) -> dict[str, list[float]]:
-    """Per mode (in run order), the final reward of each run: its last-10-steps mean."""
+    """Per mode (in run order), the final reward of each run: the mean of its last
+    :meth:`DemoResult.window` steps."""
     out: dict[str, list[float]] = {}
     for r in results:
         out.setdefault(r.config.mode, []).append(r.reward_window(False))
@@ -1033,8 +1035,9 @@ MODE_COLORS = {"logitless": "#1f5fb4", "naive": "#e6862e"}
 def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
     """PNG of reward and peak step memory per step, one curve per mode.
 
-    With one seed per mode: the reward of each step (faint) and its 10-step moving mean. With
-    several: the mean over seeds of the 10-step moving mean, in a band from the lowest to the
+    With one seed per mode: the reward of each step (faint) and its moving mean over
+    :meth:`DemoResult.window` steps (10, or half a shorter run). With several: the mean over
+    seeds of that moving mean, in a band from the lowest to the
     highest seed; the legend gives the final reward, mean ± standard deviation across seeds.
     Memory: the median over seeds of each step's peak, in the same kind of band.
 
@@ -1058,12 +1061,13 @@ def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
         color = MODE_COLORS.get(mode)
         steps = [r.step for r in runs[0].rows[: min(len(r.rows) for r in runs)]]
         n = len(steps)
-        curves = [_moving_mean([r.reward for r in run.rows[:n]], 10) for run in runs]
+        k = runs[0].window()  # 10 steps, or half a shorter run: what the final reward averages
+        curves = [_moving_mean([r.reward for r in run.rows[:n]], k) for run in runs]
         mems = [[r.peak_mem_mb for r in run.rows[:n]] for run in runs]
         mean_final, std_final = _mean_std([run.reward_window(False) for run in runs])
         if len(runs) == 1:
             ax_r.plot(steps, [r.reward for r in runs[0].rows], color=color, alpha=0.25, lw=0.8)
-            label = f"{mode}: 10-step mean (final {mean_final:.2f})"
+            label = f"{mode}: {k}-step moving mean (final {mean_final:.2f})"
         else:
             lo = [min(c[i] for c in curves) for i in range(n)]
             hi = [max(c[i] for c in curves) for i in range(n)]

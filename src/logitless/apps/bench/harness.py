@@ -57,6 +57,17 @@ CSV_COLUMNS = (
 )
 
 
+def _unavailable(method: str, work: Workload) -> str | None:
+    """Why ``method`` cannot run on ``work`` (a missing peer, no GPU), or None; a check that
+    raises is left to the worker, which reports it as a failure."""
+    from .methods import get_method
+
+    try:
+        return get_method(work.task, method).unavailable(work)
+    except Exception:
+        return None
+
+
 def run_method(
     method: str,
     work: Workload,
@@ -71,6 +82,9 @@ def run_method(
     ``failed`` row with the reason; it never propagates. ``on_event`` gets the worker's
     progress events as they arrive; ``on_tick`` is called about once a second in between.
     """
+    skip = _unavailable(method, work)
+    if skip:  # known here: no worker (its start-up alone takes seconds)
+        return Row(method, work, "skipped", reason=skip)
     spec = json.dumps({"method": method, "workload": work.to_dict()})
     cmd = [sys.executable, "-m", "logitless.apps.bench.worker", spec]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -227,14 +241,10 @@ def run_bench(
     method; with ``progress`` also method i of n, repeat j of r, the elapsed time and an
     estimate of the time left (:mod:`.progress`).
     """
-    from .methods import get_method
     from .progress import BenchProgress
 
     def runs(name: str, work: Workload) -> bool:
-        try:
-            return get_method(work.task, name).unavailable(work) is None
-        except Exception:  # the worker will report it; for the estimate, assume it runs
-            return True
+        return _unavailable(name, work) is None
 
     plan = [(name, work) for work in workloads for name in method_names]
     shares = {id(w): split_repeats(w.repeats, rounds) for w in workloads}

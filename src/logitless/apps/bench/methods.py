@@ -697,6 +697,16 @@ TASKS: dict[str, dict[str, Method]] = {
 }
 
 
+# What each task measures, for ``logitless bench --help`` (one line each, every task).
+TASK_SUMMARY: dict[str, str] = {
+    "logprobs": "log-probs + entropy",
+    "loss": "the fused policy loss (DAPO, GSPO) against the composed and naive losses",
+    "capturable": "the capturable mode against the default mode",
+    "distill": "the divergence to a teacher head (forward KL)",
+    "replay": "sampling replay (a kept-id mask, top-k / top-p) against the full vocabulary",
+}
+
+
 def get_method(task: str, name: str) -> Method:
     """Look up a method; ``KeyError`` with the valid names if it does not exist."""
     methods = TASKS[task]

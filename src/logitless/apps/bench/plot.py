@@ -1,10 +1,11 @@
 """``--plot``: the time and peak extra memory of one bench run as a PNG a person reads at a glance.
 
 One token count (one shape): horizontal bars, time and memory side by side, one bar per method;
-the time floors (``floor3``, ``floor4``) and the memory floor (the gradients ``dW + dh``) are
-reference lines, not bars. Several token counts (a sweep): time and memory against tokens on
-log axes, one line per method, the floors dashed. The title says what was timed, the shape,
-dtype and device; methods that failed or were skipped are named under the plot.
+the time floors (``floor3``, ``floor4``, ``floor6``) and the memory floor (the gradients
+``dW + dh``) are reference lines, not bars, named in one legend under both panels. Several
+token counts (a sweep): time and memory against tokens on log axes, one line per method, the
+floors dashed. The title says what was timed, the shape, dtype and device; methods that failed
+or were skipped are named under the plot.
 
 Also a script, to redraw a run recorded in a bench CSV::
 
@@ -34,7 +35,17 @@ BASELINE_COLOR = "#8c8c8c"  # naive
 OP_COLORS = ("#1f5fb4", "#4aa3df", "#0b3a75", "#7fb8e6")  # logitless's methods: blues
 PEER_COLORS = {"liger": "#e6862e", "cce": "#9a6fc0"}  # the same colour in every plot
 OTHER_COLORS = ("#59a14f", "#b07aa1", "#9c755f")
-FLOOR_STYLES = {"floor3": (0, (5, 3)), "floor4": (0, (1.5, 2))}
+FLOOR_STYLES = {"floor3": (0, (5, 3)), "floor4": (0, (1.5, 2)), "floor6": (0, (6, 2, 1, 2))}
+
+
+def _floors(methods: Sequence[str]) -> list[str]:
+    """The time floors among ``methods`` (``floor3``, ``floor4``, ``floor6``, ...), in order."""
+    return sorted({m for m in methods if m.startswith("floor")}, key=lambda m: int(m[5:] or 0))
+
+
+def _floor_label(name: str) -> str:
+    """``floor4`` -> ``floor4: 4 bare matmuls``."""
+    return f"{name}: {name.removeprefix('floor')} bare matmuls"
 
 
 class PlotUnavailable(RuntimeError):
@@ -228,16 +239,15 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
                 bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85),
             )
     # reference lines: the time floors and the memory floor
-    for name in ("floor3", "floor4"):
-        r = ok.get(name)
-        if r is not None and r.time_p50_s is not None:
-            n = name[-1]
+    for name in _floors(list(ok)):
+        r = ok[name]
+        if r.time_p50_s is not None:
             ax_t.axvline(
                 r.time_p50_s * t_scale,
                 color="black",
-                linestyle=FLOOR_STYLES[name],
+                linestyle=FLOOR_STYLES.get(name, "dashdot"),
                 linewidth=1.2,
-                label=f"{name}: {n} bare matmuls, {_num(r.time_p50_s * t_scale)} {t_unit}",
+                label=f"{_floor_label(name)}, {_num(r.time_p50_s * t_scale)} {t_unit}",
             )
     if m_floor:
         ax_m.axvline(
@@ -257,12 +267,24 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
         ax.set_xlim(0, max(values, default=1) * scale * 1.45 or 1)
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
-        if ax.get_legend_handles_labels()[0]:  # below the axis: it never hides a bar
-            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.17), fontsize=8.5, ncol=2)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     ax_t.set_title("time", fontsize=11)
     ax_m.set_title("memory", fontsize=11)
+    # the reference lines' legend under both panels, where the layout keeps it clear of the
+    # axis labels and it never hides a bar
+    handles, names = (
+        sum(x, []) for x in zip(*(a.get_legend_handles_labels() for a in (ax_t, ax_m)), strict=True)
+    )
+    if handles:
+        fig.legend(
+            handles,
+            names,
+            loc="outside lower center",
+            fontsize=8.5,
+            ncol=len(handles),
+            frameon=False,
+        )
     fig.suptitle(_title(rows[0].work, machine, sweep=False), fontsize=11)
     _footnote(fig, rows)
     return fig
@@ -325,17 +347,16 @@ def _plot_sweep(plt: Any, rows: Sequence[Row], machine: str) -> Any:
                         fontsize=8,
                         color=colors[name],
                     )
-    for name in ("floor3", "floor4"):
+    for name in _floors([r.method for r in ok]):
         pts = sorted((r.work.tokens, r.time_p50_s) for r in ok if r.method == name)
-        if pts:
-            ax_t.plot(
-                [n for n, _ in pts],
-                [t * t_scale for _, t in pts],
-                color="black",
-                linestyle=FLOOR_STYLES[name],
-                linewidth=1.2,
-                label=f"{name}: {name[-1]} bare matmuls\n(time floor)",
-            )
+        ax_t.plot(
+            [n for n, _ in pts],
+            [t * t_scale for _, t in pts],
+            color="black",
+            linestyle=FLOOR_STYLES.get(name, "dashdot"),
+            linewidth=1.2,
+            label=f"{_floor_label(name)}\n(time floor)",
+        )
     xs = sorted(floors_mb)
     ax_m.plot(
         xs,
