@@ -31,6 +31,12 @@ targets are named ``target_ids``, not ``labels``: transformers' ``labels`` are *
 (``model(input_ids, labels=input_ids)`` shifts them itself), so ``labels=`` is refused with
 that explanation; ``causal_lm_labels(hf_labels)`` turns HF-style labels into targets.
 
+**Keyword arguments.** logitless's options are named parameters of each function;
+``**model_kwargs`` are the backbone's own arguments and nothing else (transformers' backbones
+drop names they do not know). A name that logitless knows (a parameter of any of its public
+functions or classes: ``top_k``, ``capturable``, ``teacher_softcap``, ``distill_beta``, ...)
+and the called function does not take raises ``TypeError`` naming it.
+
 **Padding and packing.** Labels never cross a padding token (``attention_mask == 0``) or a
 document boundary (``position_ids`` restarting at 0, or ``cu_seqlens``). Whether *attention*
 keeps the documents of a packed row apart is the model's business, not logitless': in
@@ -44,6 +50,7 @@ arguments.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -460,7 +467,12 @@ def _labels(batch: _ModelBatch, ignore_index: object, capturable: bool) -> torch
     return labels.masked_fill(~keep, ignore_index)
 
 
-def _check_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+def _check_model_kwargs(function: str, model_kwargs: dict[str, Any]) -> None:
+    """What ``**model_kwargs`` may hold: arguments of the model's backbone only. ``labels`` and
+    the backbone arguments the functions set (``_RESERVED_KWARGS``) raise ``ValueError``; a
+    name logitless itself knows (:data:`_LOGITLESS_NAMES`), which ``function`` does not take,
+    raises ``TypeError`` as Python would, instead of reaching the backbone, which would drop it
+    and return a result computed without it. Called first by every public function here."""
     if "labels" in model_kwargs:
         raise ValueError(
             "labels= is not accepted, because it would mean something else than in "
@@ -477,6 +489,24 @@ def _check_model_kwargs(model_kwargs: dict[str, Any]) -> None:
             f"model_kwargs must not set {', '.join(reserved)}: these are set by logitless or "
             "would change which hidden states the backbone returns"
         )
+    for name in model_kwargs:
+        if name in _LOGITLESS_NAMES:
+            raise _not_an_option_here(function, name)
+
+
+def _not_an_option_here(function: str, name: str) -> TypeError:
+    owners = _LOGITLESS_NAMES[name]
+    shown = ", ".join(owners[:3]) + (f" and {len(owners) - 3} more" if len(owners) > 3 else "")
+    hint = ""
+    if "logitless.PolicyLossConfig" in owners and function == "causal_lm_policy_loss":
+        hint = f" Set it on the loss's config: config=PolicyLossConfig({name}=...)."
+    elif name.startswith("teacher_") and function == "causal_lm_divergence":
+        hint = " The teacher's head and its transform come from the teacher model itself."
+    return TypeError(
+        f"{function}() got an unexpected keyword argument {name!r}: it is an argument of "
+        f"{shown}, not of {function}, and **model_kwargs only go to the model's backbone "
+        f"(which would silently drop it).{hint}"
+    )
 
 
 def _model_position_ids(
@@ -576,7 +606,6 @@ def _prepare(
     sampler's kept sets)."""
     head = _head_for_checks(model)
     _backbone(model)
-    _check_model_kwargs(model_kwargs)
     input_ids = _check_input_ids(batch.input_ids)
     if input_ids.device != head.weight.device:
         raise ValueError(
@@ -601,7 +630,8 @@ def causal_lm_hidden_states(
 
     Runs ``model.model(input_ids, attention_mask=..., position_ids=..., use_cache=False,
     **model_kwargs).last_hidden_state``: what ``model(...)`` feeds to ``lm_head``.
-    ``model_kwargs`` go to the backbone (e.g. flash-attention varlen arguments).
+    ``model_kwargs`` go to the backbone (e.g. flash-attention varlen arguments); a logitless
+    option name raises ``TypeError``, as in :func:`causal_lm_logprobs`.
 
     >>> import transformers
     >>> cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32,
@@ -609,7 +639,7 @@ def causal_lm_hidden_states(
     >>> causal_lm_hidden_states(transformers.LlamaForCausalLM(cfg), torch.ones(2, 5).long()).shape
     torch.Size([2, 5, 16])
     """
-    _check_model_kwargs(model_kwargs)
+    _check_model_kwargs("causal_lm_hidden_states", model_kwargs)
     input_ids = _check_input_ids(input_ids)
     if attention_mask is not None:
         _check_like_ids("attention_mask", attention_mask, input_ids, _MASK_DTYPES)
@@ -760,7 +790,12 @@ def causal_lm_logprobs(
         capturable, row_capacity: as in :func:`logitless.linear_logprobs`; logitless's own
             part of the call (targets, checks, head) then reads nothing on the host. Whether
             the backbone does is the model's own (docs/capturable.md).
-        **model_kwargs: passed to the backbone (e.g. flash-attention varlen arguments).
+        **model_kwargs: arguments of the model's backbone (``model.model``) and only of it,
+            e.g. flash-attention's varlen ``cu_seq_lens_q`` / ``max_length_q``. transformers'
+            backbones drop names they do not know, so a name of logitless's own that this
+            function does not take (``teacher``, ``beta``, a ``PolicyLossConfig`` field, ...)
+            raises ``TypeError`` instead; ``labels`` and the inputs set here raise
+            ``ValueError``.
 
     Returns:
         :class:`logitless.LogProbs` of fp32 ``[B, T]`` tensors; 0.0 where there is no label.
@@ -768,6 +803,7 @@ def causal_lm_logprobs(
     Raises:
         ValueError: unsupported model, or a bad shape, dtype, device or value, before the
             backbone runs.
+        TypeError: a logitless option this function does not take, in ``**model_kwargs``.
 
     >>> import transformers
     >>> cfg = transformers.Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=32,
@@ -780,6 +816,7 @@ def causal_lm_logprobs(
     >>> out.logprobs.sum().backward()                # gradients reach every model parameter
     """
     given = locals()
+    _check_model_kwargs("causal_lm_logprobs", model_kwargs)
     batch = _ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
@@ -946,6 +983,7 @@ def causal_lm_policy_loss(
     >>> loss.backward()
     """
     given = locals()
+    _check_model_kwargs("causal_lm_policy_loss", model_kwargs)
     entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
     options = HeadOptions.pick(given).replace(with_entropy=entropy)
     batch = _ModelBatch(
@@ -1106,7 +1144,9 @@ def causal_lm_divergence(
         beta, temperature, with_logprobs, with_entropy, vocab_size, chunk_size, head_dtype,
             ignore_index, backend: as in :func:`logitless.linear_divergence` (the student's
             log-probs of the targets and entropy).
-        **model_kwargs: passed to both backbones.
+        **model_kwargs: passed to both backbones; as in :func:`causal_lm_logprobs` (a
+            logitless option this function does not take, e.g. ``top_k``, ``capturable``,
+            ``teacher_softcap``, raises ``TypeError``).
 
     Returns:
         :class:`logitless.Divergence` of fp32 ``[B, T]`` tensors, 0.0 where there is no target.
@@ -1124,11 +1164,11 @@ def causal_lm_divergence(
     >>> out.divergence.sum().backward()          # gradients reach the student's parameters
     """
     given = locals()
+    _check_model_kwargs("causal_lm_divergence", model_kwargs)
     options = HeadOptions.pick(given)
     batch = _ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    _check_model_kwargs(model_kwargs)
     check_model(model)
     check_model(teacher)
     labels = batch.targets(ignore_index, False)
@@ -1200,3 +1240,50 @@ def _divergence_on_head(
             ignore_index=options.ignore_index, chunk_size=options.chunk_size,
             head_dtype=options.head_dtype, backend=options.backend,
         )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# the names logitless knows: refused in **model_kwargs (see _check_model_kwargs)
+
+
+def _parameter_names(obj: object) -> list[str]:
+    """The keyword-passable parameter names of a public function or class (a dataclass's or a
+    NamedTuple's fields; a module's constructor and ``forward``)."""
+    targets: list[object] = [obj]
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        targets = [obj.__init__, obj.forward]
+    names = []
+    for target in targets:
+        try:
+            parameters = inspect.signature(target).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature
+            continue
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names += [p.name for p in parameters if p.kind in kinds and p.name not in ("self", "cls")]
+    return names
+
+
+def _logitless_names() -> dict[str, tuple[str, ...]]:
+    """Every parameter name of logitless's public surface -> where it is one: the callables of
+    ``logitless.__all__`` (ops, modules, loss functions, their config and input types) and of
+    this module's ``__all__``, and the option types every entry point builds (so an option
+    added there is known here without a line more)."""
+    import logitless  # the package is fully imported before any of its submodules' code runs
+
+    from ..contract.divergence import DivergenceOptions
+
+    sources = [(f"logitless.{n}", getattr(logitless, n)) for n in logitless.__all__]
+    sources += [(f"hf.{n}", globals()[n]) for n in __all__]
+    sources += [(c.__name__, c) for c in (HeadOptions, SamplerOptions, DivergenceOptions)]
+    sources.sort(key=lambda source: isinstance(source[1], type))  # functions first
+    owners: dict[str, list[str]] = {}
+    for label, obj in sources:
+        if callable(obj):
+            for name in _parameter_names(obj):
+                owners.setdefault(name, []).append(label)
+    return {name: tuple(dict.fromkeys(labels)) for name, labels in owners.items()}
+
+
+#: Parameter name -> the public functions and classes that take it. A name of logitless's own
+#: in ``**model_kwargs`` raises ``TypeError`` (transformers' backbones would drop it).
+_LOGITLESS_NAMES: dict[str, tuple[str, ...]] = _logitless_names()
