@@ -22,7 +22,8 @@ class Rows(NamedTuple):
     ids); temperature: [M] or None (scalar temperature); index: [M] row ids into the flattened
     batch, or None when every row is kept; num_tokens / batch_shape: the caller's layout;
     valid: [M] bool in the capturable mode, whose rows include ignored ones (their label set to
-    0, their results masked by :meth:`scatter`), else None (every row is valid).
+    0, their hidden row to 0 by :func:`mask_rows`, their results masked by :meth:`scatter`),
+    else None (every row is valid).
     """
 
     hidden: torch.Tensor
@@ -79,10 +80,11 @@ def select_rows(call: HeadCall) -> Rows:
 def _capturable_rows(call: HeadCall) -> Rows:
     """The rows of a capturable call, with shapes that depend on the input shapes only.
 
-    Without ``row_capacity``, every row: the ignored ones get label 0 (any valid id) and are
-    masked afterwards. With ``row_capacity=C``, ``C`` rows: the valid rows in their order, then
-    ignored ones (a stable sort of the validity flags), and a device-side assertion that no
-    valid row was left out.
+    Without ``row_capacity``, every row: the ignored ones get label 0 (any valid id) and a
+    zero hidden row (whatever they held: NaN padding must not reach dW), and their results
+    are masked afterwards. With ``row_capacity=C``, ``C`` rows: the valid rows in their
+    order, then ignored ones (a stable sort of the validity flags, zeroed the same way), and
+    a device-side assertion that no valid row was left out.
     """
     n = call.labels.numel()
     valid = call.labels != call.ignore_index
@@ -98,7 +100,18 @@ def _capturable_rows(call: HeadCall) -> Rows:
         idx = torch.argsort((~valid).to(torch.int8), stable=True)[:cap]
         hidden, labels, valid = hidden.index_select(0, idx), labels[idx], valid[idx]
         temp = None if temp is None else temp.index_select(0, idx)
-    return Rows(hidden, labels, temp, idx, n, call.batch_shape, valid)
+    return Rows(mask_rows(hidden, valid), labels, temp, idx, n, call.batch_shape, valid)
+
+
+def mask_rows(hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``hidden`` ``[M, H]`` with the rows where ``valid`` is False set to 0.
+
+    A selected, not a multiplied, zero: a padding row may hold NaN or inf (some models'
+    attention gives NaN on fully masked rows), and ``0 * nan`` is NaN, which the head's
+    gradient would carry into every entry of dW. Zeroed, an ignored row has finite logits,
+    a zero gradient, and its dh is exactly 0 (``where``'s backward selects it too).
+    """
+    return torch.where(valid.unsqueeze(-1), hidden, hidden.new_zeros(()))
 
 
 def kernel_batch(call: HeadCall, rows: Rows) -> RowBatch:
