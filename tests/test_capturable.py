@@ -274,14 +274,22 @@ def _grads(fn, args):
     return [loss.detach(), clip, h.grad, w.grad]
 
 
-def test_compiled_step_runs_twice_without_recompiling_and_equals_eager(monkeypatch):
+def _no_recompile():
+    """Dynamo raises on a recompile inside. Its own patch, not ``monkeypatch.setattr``: the
+    config module keeps its values outside its ``__dict__``, so pytest 9.2 records no old
+    value and its undo deletes the option (the test fails at teardown, and later ones find
+    no ``error_on_recompile``)."""
+    return torch._dynamo.config.patch(error_on_recompile=True)
+
+
+def test_compiled_step_runs_twice_without_recompiling_and_equals_eager():
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     compiled = torch.compile(_step, fullgraph=True, dynamic=False, backend="aot_eager")
-    for seed, n_valid in ((0, 10), (1, 16), (2, 3)):  # valid rows vary, shapes do not
-        args = _step_inputs(seed, n_valid)
-        for got, want in zip(_grads(compiled, args), _grads(_step, args), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with _no_recompile():
+        for seed, n_valid in ((0, 10), (1, 16), (2, 3)):  # valid rows vary, shapes do not
+            args = _step_inputs(seed, n_valid)
+            for got, want in zip(_grads(compiled, args), _grads(_step, args), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _head_step(hidden, weight, labels, temp, up, **mode):
@@ -290,14 +298,18 @@ def _head_step(hidden, weight, labels, temp, up, **mode):
 
 
 @pytest.mark.parametrize("row_capacity", [None, 9, 30])
-def test_compiled_head_with_random_upstream_at_ignored_rows(row_capacity, monkeypatch):
+def test_compiled_head_with_random_upstream_at_ignored_rows(row_capacity):
     """The compiled op's backward gathers the upstream gradient, which is random at the
     ignored rows too: they must not count."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     mode = {"capturable": True, "row_capacity": row_capacity}
     step = functools.partial(_head_step, **mode)
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    with _no_recompile():
+        _compare_head_steps(compiled)
+
+
+def _compare_head_steps(compiled):
     for seed, n_valid in ((0, 9), (1, 4)):
         g = torch.Generator().manual_seed(seed)
         hidden, weight = torch.randn(STEP_N, H, generator=g), torch.randn(V, H, generator=g)
@@ -559,10 +571,19 @@ def test_capturable_only_errors_raise_on_the_device(make, change, match):
 
 
 def test_row_capacity_above_the_rows_projects_every_row():
+    """A capacity above the row count is accepted and projects every row: the default mode's
+    numbers, to the reference's own error. Not its bits: the two calls project different row
+    counts (12 rows here, the 9 valid ones there), and the BLAS may pick another kernel or
+    thread split for another row count (one ulp apart on a 2-thread machine)."""
     hidden, weight, _, labels = (t.detach() if t is not None else t for t in _head())
     got = linear_logprobs(hidden, weight, labels, capturable=True, row_capacity=N + 5)
-    want = linear_logprobs(hidden, weight, labels)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0)
+    default = linear_logprobs(hidden, weight, labels)
+    ref = logitless.reference.linear_logprobs(hidden, weight, labels)
+    truth = logitless.reference.linear_logprobs(hidden.double(), weight.double(), labels)
+    for name, out in (("capturable", got), ("default", default)):
+        _assert_no_worse(out.logprobs, ref.logprobs, truth.logprobs, name=f"{name} logprobs")
+    ignored = labels == -100
+    assert (got.logprobs[ignored] == 0).all(), "an ignored row's log-prob is not 0"
 
 
 @pytest.mark.parametrize(
