@@ -456,3 +456,24 @@ def test_an_unavailable_method_is_skipped_without_a_worker(monkeypatch) -> None:
     row = run_method("liger", _work(device="cpu"))
     assert row.status == "skipped", row
     assert "GPU" in row.reason or "not installed" in row.reason, row.reason
+
+
+def test_torch_linear_cross_entropy_peer_gives_the_log_prob_gradients() -> None:
+    """``torch_lce`` (PyTorch's chunked ``F.linear_cross_entropy``) is a logprobs peer: its step
+    gives the gradients of the masked full-logits log-probs under the same upstream."""
+    from logitless.apps.bench import methods as bench_methods
+    from logitless.apps.bench.workload import IGNORE_INDEX, make_inputs
+
+    method = bench_methods.get_method("logprobs", "torch_lce")
+    assert method.role == "peer" and method.unavailable(_work()) is None  # torch 2.13 has it
+    work = _work()
+    inputs = make_inputs(work)
+    method.build(work, inputs)()
+    got = (inputs.hidden.grad, inputs.weight.grad)
+    h = inputs.hidden.detach().requires_grad_()
+    w = inputs.weight.detach().requires_grad_()
+    valid = inputs.labels != IGNORE_INDEX
+    logp = torch.log_softmax(h @ w.T, dim=-1).gather(-1, inputs.labels.clamp(min=0)[:, None])
+    ((logp[:, 0] * valid) * inputs.grad_logprobs).sum().backward()
+    for a, b in zip(got, (h.grad, w.grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

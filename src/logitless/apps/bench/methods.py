@@ -213,6 +213,36 @@ def _build_cce(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
+def _torch_lce_unavailable(work: Workload) -> str | None:
+    """PyTorch's chunked ``F.linear_cross_entropy`` ships with newer torch releases only."""
+    import torch.nn.functional as F
+
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return f"torch {torch.__version__} has no F.linear_cross_entropy"
+    return None
+
+
+def _build_torch_lce(work: Workload, inputs: Inputs) -> Step:
+    """``F.linear_cross_entropy(reduction="none", options=LinearCrossEntropyOptions())``, the
+    chunked path with its defaults, negated: log-probs only."""
+    import torch.nn.functional as F
+
+    options = torch.nn.LinearCrossEntropyOptions()
+
+    def step() -> None:
+        loss = F.linear_cross_entropy(
+            inputs.hidden,
+            inputs.weight,
+            inputs.labels,
+            reduction="none",
+            ignore_index=IGNORE_INDEX,
+            options=options,
+        )
+        _backward(inputs, -loss.float(), None)
+
+    return step
+
+
 def _trl_unavailable(work: Workload) -> str | None:
     """TRL's chunked LM head ships with TRL itself."""
     if importlib.util.find_spec("trl") is None:
@@ -568,6 +598,13 @@ TASKS: dict[str, dict[str, Method]] = {
             ),
             Method("cce", "peer", _build_cce, unavailable=_cce_unavailable, note=_cce_note),
             Method("trl", "peer", _build_trl, unavailable=_trl_unavailable, note=_trl_note),
+            Method(
+                "torch_lce",
+                "peer",
+                _build_torch_lce,
+                unavailable=_torch_lce_unavailable,
+                note=lambda w: "F.linear_cross_entropy, chunked options; log-probs only",
+            ),
         )
     },
     "loss": {
