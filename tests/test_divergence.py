@@ -488,8 +488,8 @@ def _bad_cases():
             base | {"teacher_weight": torch.randn(v + 3, 12), "vocab_size": v + 1},
             "larger than",
         ),
-        "teacher width": (base | {"teacher_weight": torch.randn(v, 5)}, "weight must be"),
-        "teacher rows": (base | {"teacher_hidden": t_hidden[:4]}, "labels must have shape"),
+        "teacher width": (base | {"teacher_weight": torch.randn(v, 5)}, "teacher_weight must be"),
+        "teacher rows": (base | {"teacher_hidden": t_hidden[:4]}, "teacher_hidden must have one"),
         "teacher bias shape": (base | {"teacher_bias": torch.zeros(v + 1)}, "bias must be"),
         "padded teacher bias shape": (
             base

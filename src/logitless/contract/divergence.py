@@ -21,7 +21,7 @@ import torch
 
 from .checks import INT_DTYPES, check_flag, check_full_precision, fmt_shape, optional_positive_float
 from .collectives import check_then_agree
-from .head import HeadCall, check_head_call
+from .head import TEACHER_ARGS, HeadCall, check_head_call
 from .options import HeadOptions
 from .replay import check_csr_ids
 
@@ -186,7 +186,9 @@ def check_divergence_call(
         t_w = _prefix(t_weight, vocab)
         t_b = None if t_bias is None else _prefix(t_bias, vocab)
         # the same labels and temperature: the student's value checks stand (no second read)
-        teacher_call = check_head_call(t_hidden, t_w, labels, t_b, t_options, values_of=student)
+        teacher_call = check_head_call(
+            t_hidden, t_w, labels, t_b, t_options, values_of=student, names=TEACHER_ARGS
+        )
         if teacher_call.backend != student.backend:  # "auto" on heads of two dtypes
             student = student.replace(backend="torch")
             teacher_call = teacher_call.replace(backend="torch")

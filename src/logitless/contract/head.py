@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,21 @@ from .collectives import check_then_agree
 from .options import HeadOptions, SamplerOptions
 from .replay import ReplayArgs, check_sampler
 from .vocab import VocabParallel
+
+
+class ArgNames(NamedTuple):
+    """The names a call's tensors go by in its error messages: the public arguments they
+    were given as (a divergence's teacher head: ``teacher_hidden``, ``teacher_weight``,
+    ``teacher_bias``)."""
+
+    hidden: str = "hidden"
+    weight: str = "weight"
+    bias: str = "bias"
+
+
+#: The argument names of a head call, and of a divergence's teacher head.
+HEAD_ARGS = ArgNames()
+TEACHER_ARGS = ArgNames("teacher_hidden", "teacher_weight", "teacher_bias")
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,7 @@ def check_head_call(
     sampler: SamplerOptions | None = None,
     *,
     values_of: HeadCall | None = None,
+    names: ArgNames = HEAD_ARGS,
 ) -> HeadCall:
     """The one check of a head call (and of its sampling replay), or ``ValueError``.
 
@@ -94,11 +111,12 @@ def check_head_call(
     ``values_of``: a call already checked on the same ``labels`` and temperature (a second
     head over the same positions, e.g. a divergence's teacher): its value checks stand, so
     this call reads nothing from the device (its labels must be in its own vocabulary too).
+    ``names``: what the error messages call the tensors (the public arguments' names).
     """
     sampler = sampler if sampler is not None else SamplerOptions()
 
     def check() -> HeadCall:
-        return _check(hidden, weight, labels, bias, options, sampler, values_of)
+        return _check(hidden, weight, labels, bias, options, sampler, values_of, names)
 
     vp = options.vocab_parallel
     if vp is None or options.capturable:  # capturable: no agreement (it reads the device)
@@ -107,9 +125,13 @@ def check_head_call(
     return call
 
 
-def _check(hidden, weight, labels, bias, options: HeadOptions, sampler, values_of: HeadCall | None):
-    _check_plain_tensors(hidden=hidden, weight=weight, labels=labels, bias=bias)
-    label_vocab = _check_layout(hidden, weight, labels, bias, options)
+def _check(
+    hidden, weight, labels, bias, options: HeadOptions, sampler, values_of: HeadCall | None,
+    names: ArgNames,
+):  # fmt: skip
+    given = {names.hidden: hidden, names.weight: weight, "labels": labels, names.bias: bias}
+    _check_plain_tensors(given, names)
+    label_vocab = _check_layout(hidden, weight, labels, bias, options, names)
     head_dtype = options.head_dtype if options.head_dtype is not None else hidden.dtype
     backend = resolve_backend(options.backend, weight.device, head_dtype)
     if values_of is not None:
@@ -145,15 +167,15 @@ def _check(hidden, weight, labels, bias, options: HeadOptions, sampler, values_o
     )
 
 
-def _check_plain_tensors(**tensors: object) -> None:
+def _check_plain_tensors(tensors: dict[str, object], names: ArgNames) -> None:
     """Every given argument is a plain tensor (not a DTensor: say how to get one)."""
     for name, t in tensors.items():
-        if t is None and name == "bias":
+        if t is None and name == names.bias:
             continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if is_dtensor(t):
-            if name in ("weight", "bias"):
+            if name in (names.weight, names.bias):
                 advice = (
                     "with FSDP2, call the head inside a sharded module's forward so the weight "
                     "is gathered (logitless.LogprobHead / PolicyLossHead); with tensor "
@@ -166,46 +188,58 @@ def _check_plain_tensors(**tensors: object) -> None:
             raise ValueError(f"{name} is a DTensor; logitless takes plain tensors: {advice}")
 
 
-def _check_hidden_against_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_hidden_against_weight(
+    hidden: torch.Tensor, weight: torch.Tensor, names: ArgNames = HEAD_ARGS
+) -> None:
     """``hidden [..., H]`` floating, ``weight [V, H]`` (the rule the HF path checks again on
     the backbone's real hidden states)."""
+    h, w = names.hidden, names.weight
     if hidden.dim() < 1 or not hidden.is_floating_point():
         raise ValueError(
-            f"hidden must be a floating tensor of shape [..., H], got dtype {hidden.dtype} "
+            f"{h} must be a floating tensor of shape [..., H], got dtype {hidden.dtype} "
             f"and shape {fmt_shape(hidden)}"
         )
     vocab, dim = weight.shape
     if hidden.shape[-1] != dim:
         transposed = ""
         if vocab == hidden.shape[-1]:
-            transposed = "; it looks transposed ([H, V]): pass weight.T (nn.Linear(H, V).weight)"
+            transposed = f"; it looks transposed ([H, V]): pass {w}.T (nn.Linear(H, V).weight)"
         raise ValueError(
-            f"weight must be [V, H] with H = hidden's last dimension ({hidden.shape[-1]}), got "
-            f"weight of shape {fmt_shape(weight)} and hidden of shape {fmt_shape(hidden)}"
+            f"{w} must be [V, H] with H = {h}'s last dimension ({hidden.shape[-1]}), got "
+            f"{w} of shape {fmt_shape(weight)} and {h} of shape {fmt_shape(hidden)}"
             f"{transposed}"
         )
 
 
-def _check_dtypes(hidden: torch.Tensor, weight: torch.Tensor, options: HeadOptions) -> None:
+def _check_dtypes(
+    hidden: torch.Tensor, weight: torch.Tensor, options: HeadOptions, names: ArgNames = HEAD_ARGS
+) -> None:
     if options.head_dtype is None and hidden.dtype != weight.dtype:
         raise ValueError(
-            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, or pass "
-            "head_dtype= to run the projection in one dtype"
+            f"{names.hidden} ({hidden.dtype}) and {names.weight} ({weight.dtype}) must share a "
+            "dtype, or pass head_dtype= to run the projection in one dtype"
         )
 
 
-def _check_layout(hidden, weight, labels, bias, options: HeadOptions) -> int:
+def _check_layout(hidden, weight, labels, bias, options: HeadOptions, names: ArgNames) -> int:
     """Shapes, dtypes and devices (no value read); returns the label vocabulary size."""
+    h, w, b = names
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(
-            f"weight must be a floating [V, H] tensor, got dtype {weight.dtype} and shape "
+            f"{w} must be a floating [V, H] tensor, got dtype {weight.dtype} and shape "
             f"{fmt_shape(weight)}"
         )
     vp = options.vocab_parallel
     vocab = weight.shape[0]
-    label_vocab = vocab if vp is None else _check_shard(weight, vp)
-    _check_hidden_against_weight(hidden, weight)
+    label_vocab = vocab if vp is None else _check_shard(weight, vp, w)
+    _check_hidden_against_weight(hidden, weight, names)
     if labels.shape != hidden.shape[:-1]:
+        if h != "hidden":  # a second head over the call's labels (a teacher): its rows are off
+            want = [*labels.shape, weight.shape[1]]
+            raise ValueError(
+                f"{h} must have one row per label position, shape {want} (labels' shape plus "
+                f"its hidden width), got {fmt_shape(hidden)}"
+            )
         raise ValueError(
             f"labels must have shape {list(hidden.shape[:-1])} (hidden's shape without H), "
             f"got {fmt_shape(labels)}"
@@ -217,36 +251,36 @@ def _check_layout(hidden, weight, labels, bias, options: HeadOptions) -> int:
         devices.add(options.temperature.device)
     if len(devices) > 1:
         raise ValueError(
-            f"hidden, weight, labels, bias and temperature must be on one device, got "
+            f"{h}, {w}, labels, {b} and temperature must be on one device, got "
             f"{sorted(str(d) for d in devices)}"
         )
     if hidden.device.type == "meta":
         raise ValueError(
-            "hidden, weight and labels are meta tensors: logitless reads label values (range "
+            f"{h}, {w} and labels are meta tensors: logitless reads label values (range "
             "check, number of valid rows) before any work, which meta tensors do not have. Run "
             "the head on real tensors (with a meta-initialized model: after materializing its "
             "weights)"
         )
-    _check_dtypes(hidden, weight, options)
+    _check_dtypes(hidden, weight, options, names)
     if bias is not None:
         if bias.shape != (vocab,) or not bias.is_floating_point():
             raise ValueError(
-                f"bias must be a floating tensor of shape [{vocab}] (weight's V), got dtype "
+                f"{b} must be a floating tensor of shape [{vocab}] ({w}'s V), got dtype "
                 f"{bias.dtype} and shape {fmt_shape(bias)}"
             )
         if options.head_dtype is None and bias.dtype != weight.dtype:
             raise ValueError(
-                f"bias ({bias.dtype}) and weight ({weight.dtype}) must share a dtype, or pass "
+                f"{b} ({bias.dtype}) and {w} ({weight.dtype}) must share a dtype, or pass "
                 "head_dtype="
             )
     return label_vocab
 
 
-def _check_shard(weight: torch.Tensor, vp: VocabParallel) -> int:
+def _check_shard(weight: torch.Tensor, vp: VocabParallel, name: str = "weight") -> int:
     """``weight`` is this rank's shard of ``vp``; returns the global vocabulary."""
     if weight.shape[0] != vp.shard_size:
         raise ValueError(
-            f"with vocab_parallel, weight must be this rank's shard of {vp.shard_size} rows "
+            f"with vocab_parallel, {name} must be this rank's shard of {vp.shard_size} rows "
             f"(rows [{vp.vocab_start}, {vp.vocab_end}) of {vp.vocab_size}), got "
             f"{fmt_shape(weight)}; slice it with vocab_parallel.shard(full_weight)"
         )
