@@ -325,6 +325,57 @@ def test_matches_reference_and_float64(case, request):
 
 
 # --------------------------------------------------------------------------------------------
+# Large logits: every term centred on the running maxima
+# --------------------------------------------------------------------------------------------
+
+# (student bias, teacher bias) around which each head's logits sit: a softmax-neutral shift
+# of one head, of the other, of both, of opposite signs (|z| from 300 to 1000)
+LARGE_SHIFTS = [(0.0, 750.0), (-1000.0, 0.0), (500.0, 1000.0), (-300.0, 640.0)]
+
+
+def large_logit_inputs(case: Case, shift_s: float, shift_t: float) -> dict:
+    """Inputs whose logits are exact in fp32 whatever the summation order (hidden entries in
+    {-1, 0, 1}, weights and biases multiples of 1/64, |z| < 2^11): the naive fp32 code then
+    errs by its softmax's rounding alone, and an op that adds and subtracts terms of the
+    logits' size (~|z|·ulp) shows. Each head's bias is its shift plus a small dyadic spread."""
+    d = make_inputs(case)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{case.id}/{shift_s}/{shift_t}".encode()))
+    n, v = d["labels"].numel(), case.V
+
+    def ternary(*shape):
+        return torch.randint(-1, 2, shape, generator=g).float()
+
+    def dyadic(*shape, spread=40):
+        return torch.randint(-spread, spread + 1, shape, generator=g).float() / 64
+
+    d["hidden"], d["t_hidden"] = ternary(n, case.H), ternary(n, case.Ht)
+    d["weight"], d["t_weight"] = dyadic(v, case.H), dyadic(v, case.Ht)
+    d["bias"], d["t_bias"] = shift_s + dyadic(v, spread=64), shift_t + dyadic(v, spread=64)
+    if case.topk is not None:
+        lp_t = torch.log_softmax(d["t_hidden"].double() @ d["t_weight"].double().t(), -1)
+        d["topk"], d["ids"], d["lps"], d["counts"] = _topk(lp_t, case, g)
+    return d
+
+
+LARGE_CASES = [
+    Case(beta=beta, shape=(37,), H=24, Ht=24, V=509, bias=True, t_bias=True, extras=True)
+    for beta in (0.0, 1.0, 0.4)
+] + [Case(beta=0.0, shape=(37,), H=24, V=509, bias=True, extras=True, topk=7)]
+
+
+@pytest.mark.parametrize("shift", LARGE_SHIFTS, ids=[f"{a:g},{b:g}" for a, b in LARGE_SHIFTS])
+@pytest.mark.parametrize("case", LARGE_CASES, ids=[c.id for c in LARGE_CASES])
+def test_large_logits_keep_the_naive_accuracy(case, shift, small_tiles):
+    """Logits of |z| 300 to 1000 (a softmax-neutral bias on either head): the divergence, the
+    student's log-probs, entropy and gradients stay at the naive fp32 code's error against
+    float64 (several vocabulary blocks and row chunks: the maxima move mid-row)."""
+    d = large_logit_inputs(case, *shift)
+    op = run(logitless.linear_divergence, case, d, chunk_size=16)
+    ref = run(reference.linear_divergence, case, d)
+    compare(op, ref, run_truth(case, d), d["labels"])
+
+
+# --------------------------------------------------------------------------------------------
 # Properties and corner cases
 # --------------------------------------------------------------------------------------------
 

@@ -18,7 +18,17 @@ import importlib.util
 
 import pytest
 import torch
-from test_divergence import CASES, Case, compare, make_inputs, run, run_truth
+from test_divergence import (
+    CASES,
+    LARGE_CASES,
+    LARGE_SHIFTS,
+    Case,
+    compare,
+    large_logit_inputs,
+    make_inputs,
+    run,
+    run_truth,
+)
 
 import logitless
 from logitless import TeacherTopK, reference
@@ -70,6 +80,20 @@ def test_matches_reference_and_float64(case, request):
         request.getfixturevalue("narrow_chunks")
     d = make_inputs(case)
     op = run(triton_op, case, d, chunk_size=case.chunk)
+    ref = run(reference.linear_divergence, case, d)
+    compare(op, ref, run_truth(case, d), d["labels"])
+
+
+LARGE_DENSE = [c for c in LARGE_CASES if c.topk is None]
+
+
+@pytest.mark.parametrize("shift", LARGE_SHIFTS, ids=[f"{a:g},{b:g}" for a, b in LARGE_SHIFTS])
+@pytest.mark.parametrize("case", LARGE_DENSE, ids=_ids(LARGE_DENSE))
+def test_large_logits_keep_the_naive_accuracy(case, shift):
+    """test_divergence's large-logit cases on the kernels: the cross sum centred on the
+    running maxima in the kernel and in the merge of its vocabulary splits."""
+    d = large_logit_inputs(case, *shift)
+    op = run(triton_op, case, d, chunk_size=16)
     ref = run(reference.linear_divergence, case, d)
     compare(op, ref, run_truth(case, d), d["labels"])
 

@@ -4,10 +4,16 @@ For a row chunk, each vocabulary block projects the student's tile ``z_s`` and t
 ``z_t`` (``[rows, block]`` each, fp32) and folds them into running per-row sums (online
 log-sum-exp): the student's max ``m_s``, ``s_s = Σ exp(z_s - m_s)``, ``q = Σ exp(z_s - m_s)·(z_s -
 m_s)`` (entropy) and its label logit; the teacher's ``m_t`` and ``s_t``; and the cross term of
-the KL asked for, rescaled with its head's max::
+the KL asked for, every term centred on the running maxima (``d_s = z_s - m_s``, ``d_t = z_t -
+m_t``, both ``<= 0``)::
 
-    KL(p_t‖p_s) = Σ exp(z_t - m_t)·(z_t - z_s) / s_t - lse_t + lse_s        (beta = 0)
-    KL(p_s‖p_t) = Σ exp(z_s - m_s)·(z_s - z_t) / s_s - lse_s + lse_t        (beta = 1)
+    KL(p_t‖p_s) = Σ exp(d_t)·(d_t - d_s) / s_t + log s_s - log s_t        (beta = 0)
+    KL(p_s‖p_t) = Σ exp(d_s)·(d_s - d_t) / s_s + log s_t - log s_s        (beta = 1)
+
+(the maxima cancel exactly: ``Σ p_t·(z_t - z_s) - lse_t + lse_s`` would add and subtract terms
+of the logits' own size, which costs ~|z|·ulp once the logits reach a few hundred or a
+softmax-neutral bias shifts a head). When a max moves, every ``d`` of its head shifts by
+``δ = m_old - m_new``: the cross sum becomes ``α·(c + (δ_own - δ_other)·s)``, ``α = exp(δ_own)``.
 
 The generalized JSD needs ``log m = log((1-β)·p_s + β·p_t)``, hence both log-sum-exps first: a
 second pass sums ``Σ p·(lp - log m)`` for each head. A sparse teacher (:mod:`.topk`) folds the
@@ -31,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...backends.base import HeadGrads, KernelOptions, Needs, RowBatch
+from ...backends.base import HeadGrads, KernelOptions, Needs, RowBatch, extend_rows
 from ...backends.torch_tiles import GradAccumulator, label_slot, project, weight_block
 from ...contract.collectives import all_reduce
 from ...contract.divergence import TopKRows
@@ -99,16 +105,18 @@ def _rowdot_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class _Running:
     """A head's running max ``m`` ``[R]`` and sums rescaled to it (``s``, ``q``, cross ``c``,
-    tail ``t``); ``q = Σ e·(z - m)`` also shifts with the max."""
+    tail ``t``); ``q = Σ e·(z - m)`` also shifts with the max, and the cross sum with both
+    heads' (:func:`_recentre`). ``shift``: ``m_old - m_new`` of the last advance (<= 0)."""
 
     def __init__(self) -> None:
         self.m: torch.Tensor | None = None
+        self.shift: torch.Tensor | None = None
         self.sums: dict[str, torch.Tensor] = {}
 
     def advance(self, m_blk: torch.Tensor) -> torch.Tensor:
         """Raise the max to ``max(m, m_blk)``, rescale the sums; returns the new max."""
         if self.m is None:
-            self.m = m_blk
+            self.m, self.shift = m_blk, torch.zeros_like(m_blk)
             return m_blk
         m_new = torch.maximum(self.m, m_blk)
         shift = self.m - m_new  # <= 0
@@ -118,11 +126,19 @@ class _Running:
         for k in self.sums:
             if k != "q":
                 self.sums[k] = alpha * self.sums[k]
-        self.m = m_new
+        self.m, self.shift = m_new, shift
         return m_new
 
     def add(self, name: str, blk: torch.Tensor) -> None:
         self.sums[name] = blk if name not in self.sums else self.sums[name] + blk
+
+
+def _recentre(own: _Running, other: _Running) -> None:
+    """After both heads advanced (and before the block's terms are added): the cross sum
+    ``c = Σ e_own·(d_own - d_other)`` of ``own`` moved to the new maxima (each ``d`` shifts
+    by its head's ``shift``; ``own``'s sums are already rescaled)."""
+    if "c" in own.sums:
+        own.sums["c"] = own.sums["c"] + (own.shift - other.shift) * own.sums["s"]
 
 
 class _Chunk(NamedTuple):
@@ -175,11 +191,31 @@ def _project_both(rows: DivRows, opts: DivOptions, c: _Chunk, v0: int, v1: int, 
         project(zt, c.h_t, w, b, c.temp, opts.teacher)
 
 
+def _padded(rows: DivRows, pad: int) -> DivRows:
+    """``rows`` followed by ``pad`` copies of the first (the batch-invariant schedule's filler,
+    see :meth:`RowBatch.padded`)."""
+    t, topk = rows.teacher, rows.topk
+    return DivRows(
+        rows.student.padded(pad),
+        None if t is None else t.padded(pad),
+        None if topk is None else TopKRows(*(extend_rows(x, pad) for x in topk)),
+    )
+
+
 def forward_rows(rows: DivRows, opts: DivOptions) -> DivStats:
     """Per-row divergence, log-prob, entropy and the statistics backward needs.
 
     rows: M valid rows; returns :class:`DivStats` in the compute dtype.
     """
+    num_rows = rows.student.hidden.shape[0]
+    pad = opts.student.schedule.padding(num_rows)
+    if pad == 0:
+        return _forward_rows(rows, opts)
+    stats = _forward_rows(_padded(rows, pad), opts)
+    return DivStats(*(None if x is None else x[:num_rows] for x in stats))
+
+
+def _forward_rows(rows: DivRows, opts: DivOptions) -> DivStats:
     s = rows.student
     num_rows, vocab, dev = s.hidden.shape[0], s.weight.shape[0], s.hidden.device
     cd = opts.student.compute_dtype
@@ -209,24 +245,28 @@ def _forward_chunk(rows: DivRows, opts: DivOptions, c: _Chunk, tiles: _Tiles) ->
         zy = torch.where(inside, zs.gather(1, slot).squeeze(1), zy)
         if picked is not None:
             picked = sparse.pick(zs, c.topk.ids, v0, picked)
-        if mode in ("forward", "reverse"):
-            torch.sub(zs, zt, out=x)  # z_s - z_t, before either is shifted
+        zs.sub_(st.advance(zs.amax(1))[:, None])  # d_s = z_s - m_s
+        if te is not None:
+            zt.sub_(te.advance(zt.amax(1))[:, None])  # d_t = z_t - m_t
+            own, other = (te, st) if mode == "forward" else (st, te)
+            _recentre(own, other)  # only the cross sum's owner has one
+        if mode == "forward":
+            torch.sub(zt, zs, out=x)  # d_t - d_s: centred, no term of the logits' size
+        elif mode == "reverse":
+            torch.sub(zs, zt, out=x)
         _fold_student(st, zs, x, e, c, v0, mode, opts.student.with_entropy)
         if te is not None:
-            m = te.advance(zt.amax(1))
-            e_t = zt.sub_(m[:, None]).exp_()
+            e_t = zt.exp_()
             te.add("s", e_t.sum(1))
             if mode == "forward":
-                te.add("c", -_rowdot_(e_t, x))
+                te.add("c", _rowdot_(e_t, x))
     zy, picked = _combine(opts.student.vocab_parallel, st, te, zy, picked)
     return _finish(rows, opts, c, tiles, st, te, zy, picked)
 
 
 def _fold_student(st: _Running, zs, x, e, c: _Chunk, v0: int, mode: str, entropy: bool) -> None:
-    """Fold the student's tile ``zs`` (overwritten; ``e`` with ``exp(z_s - m)``, ``x`` with the
-    cross products)."""
-    m = st.advance(zs.amax(1))
-    zs.sub_(m[:, None])
+    """Fold the student's centred tile ``zs`` (overwritten; ``e`` with ``exp(z_s - m)``, ``x``
+    with the cross products)."""
     torch.exp(zs, out=e)
     st.add("s", e.sum(1))
     if entropy:
@@ -246,6 +286,9 @@ def _combine(vp, st: _Running, te: _Running | None, zy, picked):
     top = all_reduce(torch.stack([h.m for h in heads]), vp.group, "max")
     for h, m in zip(heads, top, strict=True):
         h.advance(m)
+    if te is not None:
+        _recentre(te, st)
+        _recentre(st, te)
     parts = [v for h in heads for v in h.sums.values()] + [zy]
     parts += [] if picked is None else [picked.reshape(-1)]
     total = all_reduce(torch.cat(parts), vp.group, "sum").split([p.numel() for p in parts])
@@ -264,8 +307,7 @@ def _finish(rows, opts: DivOptions, c: _Chunk, tiles, st, te, zy, picked) -> dic
         res["entropy"] = log_s - st.sums["q"] / st.sums["s"]
     if te is not None:
         res["teacher_max"], res["teacher_log_sum"] = te.m, te.sums["s"].log()
-        # lse_s - lse_t, its parts subtracted first
-        gap = (st.m - te.m) + (log_s - res["teacher_log_sum"])
+        gap = log_s - res["teacher_log_sum"]  # lse_s - lse_t less the maxima (they cancel)
     if opts.mode == "forward":
         res["divergence"] = te.sums["c"] / te.sums["s"] + gap
     elif opts.mode == "reverse":
@@ -342,6 +384,20 @@ def backward_rows(
 ) -> HeadGrads:
     """Gradients of the student's hidden ``[M, H]``, weight ``[V, H]`` and bias ``[V]`` (in
     their dtypes) under the upstream gradients ``up``; recomputes every tile."""
+    num_rows = rows.student.hidden.shape[0]
+    pad = opts.student.schedule.padding(num_rows)
+    if pad == 0:
+        return _backward_rows(rows, stats, up, opts, needs)
+    # The filler rows repeat the first row's statistics with a zero upstream gradient: dz = 0.
+    stats = DivStats(*(extend_rows(x, pad) for x in stats))
+    up = DivUpstream(*(extend_rows(u, pad, 0.0) for u in up))
+    dh, dw, db = _backward_rows(_padded(rows, pad), stats, up, opts, needs)
+    return (None if dh is None else dh[:num_rows]), dw, db
+
+
+def _backward_rows(
+    rows: DivRows, stats: DivStats, up: DivUpstream, opts: DivOptions, needs: Needs
+) -> HeadGrads:
     s = rows.student
     acc = GradAccumulator(s.hidden, s.weight, s.bias, needs, opts.student)
     num_rows, vocab = s.hidden.shape[0], s.weight.shape[0]

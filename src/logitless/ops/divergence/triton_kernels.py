@@ -36,17 +36,15 @@ import triton.language as tl
 
 from ...backends.base import HeadGrads, Needs
 from ...backends.triton_kernels import (
-    _INTERPRET,
-    _INTERPRETER_META,
-    _SMALL_LAUNCH,
-    _SMALL_META,
     _Call,
     _grouped,
+    _launch,
     _logits_tile,
     _num_splits,
     _row_inv_temperature,
     _row_passes,
     head_grads,
+    register,
 )
 from .tiles import DivOptions, DivRows, DivStats, DivUpstream
 
@@ -90,8 +88,9 @@ def _div_stats_kernel(
     """Both heads' online statistics of one row block over one vocabulary split.
 
     stats: ``[7, num_splits, M]`` fp32: the student's max, Σexp, Σexp·(z - m), label logit;
-    the teacher's max, Σexp; the cross sum (rescaled to the teacher's max at MODE 0, the
-    student's at MODE 1, 0 for the JSD). An empty split writes max = -inf and zero sums.
+    the teacher's max, Σexp; the cross sum centred on the split's maxima (``d = z - m`` of
+    each head): ``Σ exp(d_t)·(d_t - d_s)`` at MODE 0, ``Σ exp(d_s)·(d_s - d_t)`` at MODE 1,
+    0 for the JSD. An empty split writes max = -inf and zero sums.
     """
     pid_m, pid_s = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_splits, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -129,23 +128,29 @@ def _div_stats_kernel(
         is_label = (offs_n[None, :] == y[:, None]) & col_ok[None, :]
         zy += tl.sum(tl.where(is_label, z_s, 0.0), axis=1)
         ms_new = tl.maximum(m_s, tl.max(z_s, axis=1))
-        d_s = z_s - ms_new[:, None]  # <= 0
+        mt_new = tl.maximum(m_t, tl.max(z_t, axis=1))
+        # each head's m_old - m_new (<= 0; 0 on the first block, whose m is -inf)
+        shift_s = tl.where(m_s == float("-inf"), 0.0, m_s - ms_new)
+        shift_t = tl.where(m_t == float("-inf"), 0.0, m_t - mt_new)
+        d_s = z_s - ms_new[:, None]  # <= 0: every term below is centred on the maxima
+        d_t = z_t - mt_new[:, None]
         e_s = tl.exp(d_s)
+        e_t = tl.exp(d_t)
         alpha_s = tl.exp(m_s - ms_new)  # 0 on the first block (m = -inf)
+        alpha_t = tl.exp(m_t - mt_new)
         if WITH_ENTROPY:
-            shift = tl.where(m_s == float("-inf"), 0.0, m_s - ms_new)
-            q_s = alpha_s * (q_s + shift * s_s) + tl.sum(tl.where(e_s > 0.0, e_s * d_s, 0.0), 1)
+            q_s = alpha_s * (q_s + shift_s * s_s) + tl.sum(tl.where(e_s > 0.0, e_s * d_s, 0.0), 1)
+        # the cross sum Σ e·(d_own - d_other): its old terms move by shift_own - shift_other
+        if MODE == 0:  # Σ exp(d_t)·(d_t - d_s), rescaled to the teacher's max
+            cross = alpha_t * (cross + (shift_t - shift_s) * s_t)
+            cross += tl.sum(tl.where(col_ok[None, :], e_t * (d_t - d_s), 0.0), axis=1)
+        if MODE == 1:  # Σ exp(d_s)·(d_s - d_t), rescaled to the student's max
+            cross = alpha_s * (cross + (shift_s - shift_t) * s_s)
+            cross += tl.sum(tl.where(col_ok[None, :], e_s * (d_s - d_t), 0.0), axis=1)
         s_s = alpha_s * s_s + tl.sum(e_s, axis=1)
         m_s = ms_new
-        mt_new = tl.maximum(m_t, tl.max(z_t, axis=1))
-        e_t = tl.exp(z_t - mt_new[:, None])
-        alpha_t = tl.exp(m_t - mt_new)
         s_t = alpha_t * s_t + tl.sum(e_t, axis=1)
         m_t = mt_new
-        if MODE == 0:  # Σ p_t·(z_t - z_s), rescaled to the teacher's max
-            cross = alpha_t * cross + tl.sum(e_t * (z_t - z_s), axis=1)
-        if MODE == 1:  # Σ p_s·(z_s - z_t), rescaled to the student's max
-            cross = alpha_s * cross + tl.sum(e_s * (z_s - z_t), axis=1)
     out = stats_ptr + pid_s * M + offs_m
     plane = num_splits * M
     tl.store(out, m_s, mask=row_ok)
@@ -300,14 +305,12 @@ def _div_dz_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _launch(kernel, grid_of, *args, **kwargs) -> None:
-    """Launch ``kernel`` with one fixed configuration: the interpreter's (few, wide programs),
-    else the log-prob kernels' small one (these kernels are not autotuned yet)."""
-    if _INTERPRET:
-        kernel[(grid_of(_INTERPRETER_META),)](*args, **kwargs, **_INTERPRETER_META)
-        return
-    with torch.cuda.device(args[0].device):
-        kernel[(grid_of(_SMALL_META),)](*args, **kwargs, **_SMALL_META, **_SMALL_LAUNCH)
+# Launched by the log-prob kernels' launcher, under its rule for configurations
+# (``candidates`` in :mod:`logitless.backends.triton_kernels`), with the two-GEMM table.
+_OPERANDS = ("hs_ptr", "ws_ptr", "ht_ptr", "wt_ptr")
+for _name, _kernel in (("div_stats", _div_stats_kernel), ("jsd", _jsd_kernel),
+                       ("div_dz", _div_dz_kernel)):  # fmt: skip
+    register(_name, _kernel, _OPERANDS, ("S_IEEE", "T_IEEE"), ["Ks", "Kt"], table="divergence")
 
 
 class _Heads:
@@ -376,7 +379,8 @@ def _stats_pass(heads: _Heads, r0: int, r1: int, with_entropy: bool) -> dict:
     splits = _num_splits(rows, heads.vocab, heads.s.hidden.device)
     stats = torch.empty(7, splits, rows, device=heads.s.hidden.device)
     _launch(
-        _div_stats_kernel,
+        "div_stats",
+        rows * heads.vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
         *heads.tensors(r0, r1), stats, rows, *heads.sizes(), splits, *heads.scalars(),
         MODE=_MODES[heads.mode], WITH_ENTROPY=with_entropy, **heads.meta,
@@ -385,7 +389,7 @@ def _stats_pass(heads: _Heads, r0: int, r1: int, with_entropy: bool) -> dict:
     log_s, log_t = s_s.log(), s_t.log()
     res = {"logp": (zy - m_s) - log_s, "max": m_s, "log_sum": log_s}
     res |= {"teacher_max": m_t, "teacher_log_sum": log_t, "entropy": log_s - q_s / s_s}
-    gap = (m_s - m_t) + (log_s - log_t)  # lse_s - lse_t, its parts subtracted first
+    gap = log_s - log_t  # lse_s - lse_t less the maxima, which cancel against the cross sum's
     if heads.mode == "forward":
         res["divergence"] = cross / s_t + gap
     elif heads.mode == "reverse":
@@ -407,16 +411,20 @@ def _rescaled(m: torch.Tensor, sums: list[torch.Tensor]) -> tuple[torch.Tensor, 
 
 def _merge(stats: torch.Tensor, mode: str) -> list[torch.Tensor]:
     """stats ``[7, splits, R]`` -> ``[R]`` each over all splits: m_s, s_s, q_s, z_y, m_t,
-    s_t, cross (the entropy sum also shifts with the max)."""
+    s_t, cross (the entropy sum also shifts with the student's max, the cross sum with both
+    heads': each split's ``d = z - m`` moves by its head's ``m_split - m_all``)."""
     m_s, s_s, q_s, zy, m_t, s_t, cross = stats.unbind(0)
-    top_s = m_s.amax(0)
+    top_s, top_t = m_s.amax(0), m_t.amax(0)
     shift = m_s - top_s[None]  # <= 0; -inf for an empty split
     q_all = torch.where(s_s > 0, shift.exp() * (q_s + shift * s_s), 0.0).sum(0)
-    c_s = [cross] if mode == "reverse" else []
-    c_t = [cross] if mode == "forward" else []
-    top_s, (s_all, *c_s) = _rescaled(m_s, [s_s, *c_s])
-    top_t, (t_all, *c_t) = _rescaled(m_t, [s_t, *c_t])
-    c_all = (c_s + c_t + [torch.zeros_like(top_s)])[0]
+    c_all = torch.zeros_like(top_s)
+    if mode in ("forward", "reverse"):
+        d_s, d_t = shift, m_t - top_t[None]  # each split's move (<= 0; -inf: empty)
+        d_own, d_other, s_own = (d_t, d_s, s_t) if mode == "forward" else (d_s, d_t, s_s)
+        moved = d_own.exp() * (cross + (d_own - d_other) * s_own)
+        c_all = torch.where(s_own > 0, moved, 0.0).sum(0)  # an empty split drops out
+    top_s, (s_all,) = _rescaled(m_s, [s_s])
+    top_t, (t_all,) = _rescaled(m_t, [s_t])
     return [top_s, s_all, q_all, zy.sum(0), top_t, t_all, c_all]
 
 
@@ -426,7 +434,8 @@ def _jsd_pass(heads: _Heads, r0: int, r1: int, splits: int, norm: torch.Tensor):
     rows = r1 - r0
     out = torch.empty(2, splits, rows, device=norm.device)
     _launch(
-        _jsd_kernel,
+        "jsd",
+        rows * heads.vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
         *heads.tensors(r0, r1, labels=False), norm.contiguous(), out, rows, *heads.sizes(),
         splits, *heads.scalars(), *heads.mixture(), **heads.meta,
@@ -450,7 +459,8 @@ def backward_rows(
     def write_dz(r0: int, r1: int, v0: int, dz: torch.Tensor) -> None:
         n, width = dz.shape
         _launch(
-            _div_dz_kernel,
+            "div_dz",
+            n * width,
             lambda meta: triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
             *heads.tensors(r0, r1), per_row[:, r0:r1].contiguous(), dz, n, *heads.sizes(),
             v0, width, *heads.scalars(), *beta, MODE=_MODES[heads.mode], **flags, **heads.meta,
