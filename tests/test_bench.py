@@ -413,10 +413,10 @@ def test_trl_peer_is_listed_and_computes_the_same_gradients(monkeypatch) -> None
         "find_spec",
         lambda name, *a: None if name == "trl" else real_find_spec(name, *a),
     )
-    assert "logitless[trl]" in trl_method.unavailable(_work())
+    assert "'.[trl]'" in trl_method.unavailable(_work())
     monkeypatch.undo()
     if importlib.util.find_spec("trl") is None:
-        pytest.skip("TRL is not installed (pip install 'logitless[trl]')")
+        pytest.skip("TRL is not installed (pip install -e '.[trl]' in a logitless checkout)")
     work = _work()
     grads = {}
     for name in ("naive", "trl"):

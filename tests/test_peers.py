@@ -38,7 +38,10 @@ try:
     from cut_cross_entropy import linear_cross_entropy
 except ImportError as exc:  # CCE also imports Triton at import time on Linux
     linear_cross_entropy = None
-    _CCE_MISSING = f"cut-cross-entropy is not importable ({exc}); pip install 'logitless[peers]'"
+    _CCE_MISSING = (
+        f"cut-cross-entropy is not importable ({exc}); pip install -e '.[peers]' in a logitless "
+        "checkout"
+    )
 else:
     _CCE_MISSING = ""
 
@@ -47,7 +50,9 @@ try:
     from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
 except ImportError as exc:
     LigerFusedLinearGRPOLoss = LigerFusedLinearGRPOFunction = None
-    _LIGER_MISSING = f"liger-kernel is not importable ({exc}); pip install 'logitless[peers]'"
+    _LIGER_MISSING = (
+        f"liger-kernel is not importable ({exc}); pip install -e '.[peers]' in a logitless checkout"
+    )
 else:
     _LIGER_MISSING = ""
 

@@ -23,7 +23,9 @@ import pytest
 import torch
 from _tolerance import assert_no_worse_than_reference
 
-trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'logitless[trl]')")
+trl = pytest.importorskip(
+    "trl", reason="TRL is not installed (pip install -e '.[trl]' in a logitless checkout)"
+)
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'logitless[trl]')")
+trl = pytest.importorskip(
+    "trl", reason="TRL is not installed (pip install -e '.[trl]' in a logitless checkout)"
+)
 transformers = pytest.importorskip("transformers")
 
 import test_trl as T  # noqa: E402  (models, tokenizer, data, run comparison)

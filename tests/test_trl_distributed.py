@@ -22,7 +22,9 @@ import pytest
 import torch
 from _dist import spawn
 
-trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'logitless[trl]')")
+trl = pytest.importorskip(
+    "trl", reason="TRL is not installed (pip install -e '.[trl]' in a logitless checkout)"
+)
 transformers = pytest.importorskip("transformers")
 
 import test_trl as T  # noqa: E402  (the single-process harness: models, data, comparisons)

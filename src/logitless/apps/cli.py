@@ -177,7 +177,9 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'logitless[bench]'")
+            parser.error(
+                "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
+            )
 
     base = Workload(
         task=args.task,
@@ -336,7 +338,9 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
     try:
         import transformers  # noqa: F401
     except ImportError:
-        parser.error("logitless demo needs transformers: pip install 'logitless[hf]'")
+        parser.error(
+            "logitless demo needs transformers: pip install -e '.[hf]' in a logitless checkout"
+        )
     torch.set_num_threads(args.threads)
     modes = [False, True] if args.compare else [args.naive]
     n_seeds = getattr(args, "seeds", 3 if args.compare else 1)
@@ -407,7 +411,10 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         if plot_demo(results, path):
             print(f"wrote {path}")
         else:
-            print("no plot: matplotlib is not installed (pip install 'logitless[bench]')")
+            print(
+                "no plot: matplotlib is not installed (pip install -e '.[bench]' in a logitless "
+                "checkout)"
+            )
     elapsed = time.perf_counter() - t0
     print(f"demo run time: {elapsed // 60:.0f} min {elapsed % 60:.0f} s ({len(results)} runs)")
     return 0

@@ -331,12 +331,15 @@ def build_policy(config: DemoConfig) -> PreTrainedModel:
     """A random-init ``LlamaForCausalLM`` from a config, seeded by ``config.seed``.
 
     Raises:
-        ImportError: transformers is not installed (``pip install 'logitless[hf]'``).
+        ImportError: transformers is not installed (``pip install -e '.[hf]'`` in a logitless
+            checkout).
     """
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as exc:
-        raise ImportError("logitless demo needs transformers: pip install 'logitless[hf]'") from exc
+        raise ImportError(
+            "logitless demo needs transformers: pip install -e '.[hf]' in a logitless checkout"
+        ) from exc
     model_config = LlamaConfig(
         vocab_size=config.vocab,
         hidden_size=config.hidden,
@@ -1042,7 +1045,7 @@ def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
     Memory: the median over seeds of each step's peak, in the same kind of band.
 
     Returns False, writing nothing, when matplotlib is not installed (the caller prints a
-    note: ``pip install 'logitless[bench]'``).
+    note: ``pip install -e '.[bench]'`` in a logitless checkout).
     """
     try:
         import matplotlib

@@ -46,7 +46,7 @@ control, ``cast_lm_head_to_fp32``, vision-language models, models outside
 :data:`logitless.integrations.hf.SUPPORTED_MODELS`, FSDP1 and DeepSpeed (untested: no machine
 of this project runs it), ``delta < 1 + epsilon_high`` and ``cispo`` with ``epsilon_high < 1``.
 
-Tested with TRL 1.16 (``pip install 'logitless[trl]'``).
+Tested with TRL 1.16 (``pip install -e '.[trl]'`` in a logitless checkout installs it).
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ try:
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer.utils import nanmax, nanmin
 except ImportError as e:  # pragma: no cover - exercised only without TRL
-    raise ImportError("logitless.integrations.trl needs TRL: pip install 'logitless[trl]'") from e
+    raise ImportError(
+        "logitless.integrations.trl needs TRL: pip install -e '.[trl]' in a logitless checkout"
+    ) from e
 
 __all__ = [
     "TESTED_TRL",

@@ -37,7 +37,9 @@ from . import hf
 try:
     from trl import DistillationTrainer
 except ImportError as e:  # pragma: no cover - exercised only without TRL
-    raise ImportError("logitless.integrations.trl needs TRL: pip install 'logitless[trl]'") from e
+    raise ImportError(
+        "logitless.integrations.trl needs TRL: pip install -e '.[trl]' in a logitless checkout"
+    ) from e
 
 __all__ = ["LogitlessDistillationMixin", "LogitlessDistillationTrainer", "check_distillation"]
 

@@ -138,7 +138,7 @@ def _build_floor(num_matmuls: int) -> Callable[[Workload, Inputs], Step]:
 def _missing(module: str, package: str) -> str | None:
     """Reason string if ``module`` is not importable."""
     if importlib.util.find_spec(module) is None:
-        return f"{package} is not installed (pip install 'logitless[peers]')"
+        return f"{package} is not installed (pip install -e '.[peers]' in a logitless checkout)"
     return None
 
 
@@ -246,7 +246,7 @@ def _build_torch_lce(work: Workload, inputs: Inputs) -> Step:
 def _trl_unavailable(work: Workload) -> str | None:
     """TRL's chunked LM head ships with TRL itself."""
     if importlib.util.find_spec("trl") is None:
-        return "trl is not installed (pip install 'logitless[trl]')"
+        return "trl is not installed (pip install -e '.[trl]' in a logitless checkout)"
     return None
 
 
@@ -542,7 +542,7 @@ def _build_distill_floor(work: Workload, inputs: Inputs) -> Step:
 def _trl_distill_unavailable(work: Workload) -> str | None:
     """TRL >= 1.16 ships its chunked divergence (``trl.kernels.chunked_divergence``)."""
     if importlib.util.find_spec("trl") is None:
-        return "trl is not installed (pip install 'logitless[trl]')"
+        return "trl is not installed (pip install -e '.[trl]' in a logitless checkout)"
     try:
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction  # noqa: F401
     except ImportError:

@@ -59,7 +59,9 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'logitless[bench]'") from exc
+        raise PlotUnavailable(
+            "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
+        ) from exc
     return plt
 
 
@@ -153,7 +155,8 @@ def plot_rows(rows: Sequence[Row], path: Path, machine: str = "") -> None:
     """Write the PNG of one run's rows (see :func:`make_figure`).
 
     Raises:
-        PlotUnavailable: matplotlib is missing (``pip install 'logitless[bench]'``).
+        PlotUnavailable: matplotlib is missing (``pip install -e '.[bench]'`` in a logitless
+            checkout).
     """
     plt = _pyplot()
     fig = make_figure(rows, machine)
