@@ -67,7 +67,9 @@ _use_triton_interpreter()
 
 
 # The test files that start processes (gloo groups, the bench's workers, the CLI), run Triton's
-# interpreter or train small models: ``-m "not slow"`` leaves them out for a first check.
+# interpreter, compile peers or train small models: ``-m "not slow"`` leaves them out for a
+# first check. Outside them, a test is slow when it runs Triton's interpreter (``triton`` in its
+# name or parameters) or is marked ``@pytest.mark.slow`` itself (a float64 gradcheck).
 SLOW_FILES = {
     "test_accumulation.py",
     "test_bench.py",
@@ -84,6 +86,7 @@ SLOW_FILES = {
     "test_hf_distributed.py",
     "test_losses_cp.py",
     "test_normalizer_distributed.py",
+    "test_peers.py",
     "test_replay_parallel.py",
     "test_triton.py",
     "test_trl.py",
@@ -105,5 +108,5 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SLOW_FILES:
+        if item.path.name in SLOW_FILES or "triton" in item.name:
             item.add_marker(pytest.mark.slow)

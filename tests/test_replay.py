@@ -607,6 +607,7 @@ def _distinct_ids(n: int, k: int, vocab: int, *, empty_row: int) -> torch.Tensor
     return ids
 
 
+@pytest.mark.slow  # gradcheck: seconds per case
 @pytest.mark.parametrize("kind", list(_FLOAT64_REPLAYS), ids=list(_FLOAT64_REPLAYS))
 def test_float64_head_gradcheck(kind):
     """A float64 head with replay computes in float64 (issue 21: the replay buffers, the
