@@ -235,7 +235,7 @@ class LogprobHead(_SharedHeadWeight):
             optional ``[V]`` bias), ``nn.Embedding(V, H)`` (tied embeddings), or any module
             with an ``nn.Parameter`` ``weight`` ``[V, H]`` (and optionally ``bias`` ``[V]``).
         temperature, softcap, logit_scale, with_entropy, ignore_index, chunk_size, head_dtype,
-            vocab_parallel, backend, capturable, row_capacity: as in
+            vocab_parallel, backend, capturable, row_capacity, batch_invariant: as in
             :func:`~logitless.linear_logprobs`.
         top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
             replay, as in :func:`~logitless.linear_logprobs` (None: not used).
@@ -336,7 +336,8 @@ class PolicyLossHead(_SharedHeadWeight):
             :class:`LogprobHead`.
         config: the :class:`~logitless.PolicyLossConfig`.
         temperature, softcap, logit_scale, head_dtype, chunk_size, ignore_index, vocab_parallel,
-            backend, capturable, row_capacity: as in :func:`~logitless.fused_policy_loss`.
+            backend, capturable, row_capacity, batch_invariant: as in
+            :func:`~logitless.fused_policy_loss`.
         top_k, top_p, min_p, with_kept_mass: the rollout sampler's settings, for sampling
             replay, as in :func:`~logitless.fused_policy_loss` (None: not used).
 
@@ -449,9 +450,10 @@ class DivergenceHead(_SharedHeadWeight):
         beta, teacher_softcap, teacher_logit_scale, vocab_size, with_logprobs: as in
             :func:`~logitless.linear_divergence`.
         temperature, softcap, logit_scale, with_entropy, ignore_index, chunk_size, head_dtype,
-            vocab_parallel, backend: as in :func:`~logitless.linear_divergence` (the student's
-            head options). Sampler settings and the capturable mode are not options of the
-            divergence: ``TypeError`` / ``ValueError``.
+            vocab_parallel, backend, batch_invariant: as in
+            :func:`~logitless.linear_divergence` (the student's head options). Sampler settings
+            and the capturable mode are not options of the divergence: ``TypeError`` /
+            ``ValueError``.
 
     Forward: ``head(hidden [..., H], labels [...], teacher_hidden [..., H_t] = None,
     teacher_weight [V_t, H_t] = None, teacher_bias [V_t] = None, *, teacher_topk=None,

@@ -45,6 +45,19 @@ class RowBatch(NamedTuple):
             temperature=None if t is None else t.index_select(0, idx),
         )
 
+    def padded(self, pad: int) -> RowBatch:
+        """The rows followed by ``pad`` copies of the first: the batch-invariant schedule's
+        filler (real values, so every statistic of a filler row stays finite; the backends give
+        it a zero upstream gradient and drop its results)."""
+        if pad == 0:
+            return self
+        t = self.temperature
+        return self._replace(
+            hidden=extend_rows(self.hidden, pad),
+            labels=extend_rows(self.labels, pad),
+            temperature=None if t is None else extend_rows(t, pad),
+        )
+
     def detached(self) -> RowBatch:
         """The same rows without autograd history (for kernels whose gradients reach autograd
         some other way)."""
@@ -56,49 +69,118 @@ class RowBatch(NamedTuple):
         )
 
 
+def extend_rows(t: torch.Tensor | None, pad: int, fill: float | None = None):
+    """``t`` ``[M, ...]`` followed by ``pad`` rows: copies of its first row, or ``fill``."""
+    if t is None or pad == 0:
+        return t
+    tail = (
+        t.new_full((pad, *t.shape[1:]), fill)
+        if fill is not None
+        else t[:1].expand(pad, *t.shape[1:])
+    )
+    return torch.cat([t, tail])
+
+
 # Elements of one fp32 logits tile. CPU: ~8 MiB, so the elementwise passes run out of L2/L3
 # instead of DRAM (measured: 2.3 s vs 3.2 s for a 2048 x 151936 x 512 forward with 134 MB
 # tiles). CUDA: larger tiles amortize kernel launches; the tile is still bounded, never [N, V].
 _TILE_ELEMS = {"cpu": 1 << 21}
 _TILE_ELEMS_DEFAULT = 1 << 26
-_MAX_ROWS = {"cpu": 2048}
-_MAX_ROWS_DEFAULT = 8192
+# The tile width (vocabulary columns) of the default schedule, from the device alone, so a
+# row's online-softmax merge order does not change with the number of rows in the call; the
+# rows per tile follow (tile elements / width).
+_VOCAB_BLOCK = {"cpu": 4096}
+_VOCAB_BLOCK_DEFAULT = 16384
 _MIN_VOCAB_BLOCK = 256
 _BLOCK_ALIGN = 64
+# The batch-invariant mode's row block: every tile projects exactly this many rows (the last
+# block padded), so the BLAS sees one M whatever the call (it picks its kernel, and its thread
+# split, by M). Large enough to keep the projection compute-bound while the weight streams by.
+_INVARIANT_ROWS = {"cpu": 128}
+_INVARIANT_ROWS_DEFAULT = 256
 # Elements of the [rows, V] fp32 buffer of the gradient-in-forward (fused) path: 256 MiB on CPU
 # (the weight gradient of a 150k x 512 head is another 300 MiB), 1 GiB on accelerators.
 _CHUNK_ELEMS = {"cpu": 64 << 20}
 _CHUNK_ELEMS_DEFAULT = 1 << 28
 
 
+def _aligned(cols: int, vocab: int) -> int:
+    """``cols`` rounded down to a multiple of 64 (at least 256), at most ``vocab``. A multiple
+    of 64 columns keeps every tile row 256-byte aligned: an odd width (e.g. 4755 for 441 rows)
+    measured ~10% slower in the projection matmuls on CPU."""
+    return max(1, min(vocab, max(_MIN_VOCAB_BLOCK, cols // _BLOCK_ALIGN * _BLOCK_ALIGN)))
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """How the ``[M, V]`` logits are cut into tiles of ``[rows, vocab_block]``."""
+    """How the ``[M, V]`` logits are cut into tiles of ``[rows, vocab_block]``.
+
+    ``padded``: the batch-invariant schedule: every row chunk is exactly ``rows`` rows (the
+    backends append copies of the first row, with a zero upstream gradient, to reach a multiple
+    of ``rows``, and drop them from the results), so each tile's shapes are the same whatever
+    the call holds.
+
+    This class is the one place the torch tiles' cut is decided (:meth:`choose`,
+    :meth:`choose_fused`); the Triton launcher decides its splits and configurations from the
+    same ``padded`` flag (``backends/triton_kernels.py``).
+    """
 
     rows: int
     vocab_block: int
+    padded: bool = False
 
     @staticmethod
-    def choose(num_rows: int, vocab: int, device: torch.device, chunk_size: int | None) -> Schedule:
+    def choose(
+        num_rows: int,
+        vocab: int,
+        device: torch.device,
+        chunk_size: int | None,
+        *,
+        invariant: bool = False,
+    ) -> Schedule:
+        """The schedule of ``num_rows`` rows over ``vocab`` columns. The tile width depends on
+        ``vocab`` and the device only (or on the caller's ``chunk_size``, to keep a tile of
+        that many rows within the tile budget); ``invariant``: :meth:`invariant`."""
+        if invariant:
+            return Schedule.invariant(vocab, device)
         tile = _TILE_ELEMS.get(device.type, _TILE_ELEMS_DEFAULT)
+        width = _VOCAB_BLOCK.get(device.type, _VOCAB_BLOCK_DEFAULT)
         if chunk_size is None:
-            rows = max(1, min(num_rows, _MAX_ROWS.get(device.type, _MAX_ROWS_DEFAULT)))
+            rows = max(1, min(num_rows, tile // width))
         else:
             rows = chunk_size
-        # A multiple of 64 columns keeps every tile row 256-byte aligned: an odd width (e.g.
-        # 4755 for 441 rows) measured ~10% slower in the projection matmuls on CPU.
-        block = min(vocab, max(_MIN_VOCAB_BLOCK, tile // rows // _BLOCK_ALIGN * _BLOCK_ALIGN))
-        return Schedule(rows=rows, vocab_block=max(1, block))
+            width = min(width, tile // rows)
+        return Schedule(rows=rows, vocab_block=_aligned(width, vocab))
+
+    @staticmethod
+    def invariant(vocab: int, device: torch.device) -> Schedule:
+        """The batch-invariant schedule: fixed row blocks, the tile width from ``vocab`` and
+        the device alone (never from the rows or the caller's ``chunk_size``)."""
+        rows = _INVARIANT_ROWS.get(device.type, _INVARIANT_ROWS_DEFAULT)
+        tile = _TILE_ELEMS.get(device.type, _TILE_ELEMS_DEFAULT)
+        return Schedule(rows=rows, vocab_block=_aligned(tile // rows, vocab), padded=True)
 
     @staticmethod
     def choose_fused(
-        num_rows: int, vocab: int, device: torch.device, chunk_size: int | None
+        num_rows: int,
+        vocab: int,
+        device: torch.device,
+        chunk_size: int | None,
+        *,
+        invariant: bool = False,
     ) -> Schedule:
-        """Schedule for the gradient-in-forward path, whose row chunk keeps all V logits."""
-        if chunk_size is None:
-            budget = _CHUNK_ELEMS.get(device.type, _CHUNK_ELEMS_DEFAULT)
-            chunk_size = max(1, min(num_rows, budget // vocab))
-        return Schedule.choose(num_rows, vocab, device, chunk_size)
+        """Schedule for the gradient-in-forward path, whose row chunk keeps all V logits: the
+        log-prob op's tile width, and no more rows than its own chunk or the memory budget
+        allows. Invariant: the log-prob op's schedule itself (the same forward, bit for bit)."""
+        if invariant:
+            return Schedule.invariant(vocab, device)
+        if chunk_size is not None:
+            return Schedule.choose(num_rows, vocab, device, chunk_size)
+        budget = _CHUNK_ELEMS.get(device.type, _CHUNK_ELEMS_DEFAULT)
+        plain = Schedule.choose(num_rows, vocab, device, None)
+        return Schedule(
+            rows=max(1, min(plain.rows, budget // vocab)), vocab_block=plain.vocab_block
+        )
 
     def row_chunks(self, num_rows: int) -> list[tuple[int, int]]:
         """[(start, stop)] of the row chunks."""
@@ -111,6 +193,65 @@ class Schedule:
 
     def num_tiles(self, num_rows: int, vocab: int) -> int:
         return -(-num_rows // self.rows) * -(-vocab // self.vocab_block)
+
+    def padding(self, num_rows: int) -> int:
+        """Rows the backends append to ``num_rows`` (0 unless :attr:`padded`)."""
+        return -num_rows % self.rows if self.padded else 0
+
+
+def check_invariant_blas(device: torch.device, dtype: torch.dtype, dim: int, schedule: Schedule):
+    """Refuse the batch-invariant mode where this device's matmul gives a row different bits
+    at another place in a block, or beside other rows (some BLAS builds split a block's rows
+    unevenly over threads or vectorize the edge rows differently): checked once per device,
+    dtype, width and block on a random probe of the schedule's own shapes, then remembered."""
+    key = (str(device), dtype, dim, schedule.rows, schedule.vocab_block)
+    ok = _POSITION_FREE.get(key)
+    if ok is None:
+        if _is_fake(device):
+            return  # no data to check (FakeTensorMode): the first real call checks
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "batch_invariant=True checks the device's matmul once, on the first call: run "
+                "one call outside CUDA graph capture first (the usual warm-up)"
+            )
+        ok = _POSITION_FREE[key] = _rows_position_free(device, dtype, dim, schedule)
+    if not ok:
+        raise ValueError(
+            f"batch_invariant=True is not available on {device} with {dtype} heads of width "
+            f"{dim}: this device's matmul gives a row different bits at another place in a "
+            f"block of {schedule.rows} rows, so no fixed schedule can make a token's result "
+            "independent of the rest of the batch; use batch_invariant=False"
+        )
+
+
+_POSITION_FREE: dict[tuple, bool] = {}
+
+
+def _is_fake(device: torch.device) -> bool:
+    from torch._guards import detect_fake_mode
+
+    return device.type == "meta" or detect_fake_mode() is not None
+
+
+def _rows_position_free(device, dtype, dim: int, schedule: Schedule) -> bool:
+    """Whether ``h·Wᵀ`` (forward) and ``dz·W`` (hidden gradient) give each row the same bits
+    when it moves in its block and its neighbours change."""
+    rows, width = schedule.rows, schedule.vocab_block
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    h, fresh, w, dz = rand(rows, dim), rand(rows, dim), rand(width, dim), rand(rows, width)
+    fresh_dz = rand(rows, width)
+    ref_f, ref_b = h @ w.t(), dz @ w
+    for shift in {1, rows // 2 + 1, rows - 1} - {0, rows}:
+        moved_f = torch.cat([h[shift:], fresh[:shift]]) @ w.t()
+        moved_b = torch.cat([dz[shift:], fresh_dz[:shift]]) @ w
+        if not (torch.equal(moved_f[: rows - shift], ref_f[shift:])
+                and torch.equal(moved_b[: rows - shift], ref_b[shift:])):  # fmt: skip
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -197,11 +338,15 @@ def finish_stats(
     label logit. With ``vp`` the shards' statistics are first combined over its group (a
     collective call), so the results cover the whole vocabulary:
 
-        lse = m + log s        H = log s - q / s        logp = zy - lse
+        lse = m + log s        H = log s - q / s        logp = (zy - m) - log s
+
+    (``zy - m`` first: rounding ``m + log s`` before the subtraction would cost the likely
+    tokens' log-probs several times their accuracy; the divergence op's log-prob is the same
+    expression, so the two agree bit for bit in the batch-invariant mode.)
     """
     if vp is not None:
         m, s, q, zy = vp.combine(m, s, q, zy)
     log_s = s.log()
     lse = m + log_s
     ent = None if q is None else log_s - q / s
-    return zy - lse, lse, ent
+    return (zy - m) - log_s, lse, ent

@@ -33,6 +33,7 @@ from .base import (
     RowBatch,
     RowStats,
     Upstream,
+    extend_rows,
     finish_stats,
 )
 
@@ -110,7 +111,9 @@ class OnlineStats:
         if self.with_entropy:
             e = d.exp()
             s_blk = e.sum(dim=1)
-            q_blk = torch.bmm(e[:, None, :], d[:, :, None]).view(-1)  # Σ e·(z - m)
+            # Σ e·(z - m) by torch's cascade sum of the products (d is a scratch tile here):
+            # as the divergence op sums it, so the two ops' entropies agree bit for bit
+            q_blk = d.mul_(e).sum(dim=1)
         else:
             s_blk = d.exp_().sum(dim=1)
             q_blk = None
@@ -142,8 +145,19 @@ def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -
 
     rows: M valid rows (labels in ``[0, V)``, or shard-local). Returns :class:`RowStats` in the
     compute dtype, with ``kept``: the single tile's transformed logits ``[M, V]`` when
-    ``keep_tile`` is set and the work is one tile (else None).
+    ``keep_tile`` is set and the work is one tile (else None; under a padded schedule, the
+    padded rows' tile, which :func:`backward_rows` pads the same way).
     """
+    num_rows = rows.hidden.shape[0]
+    pad = opts.schedule.padding(num_rows)
+    if pad == 0:
+        return _forward_rows(rows, opts, keep_tile)
+    st = _forward_rows(rows.padded(pad), opts, keep_tile)
+    ent = None if st.entropy is None else st.entropy[:num_rows]
+    return RowStats(st.logp[:num_rows], st.lse[:num_rows], ent, st.kept)
+
+
+def _forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool) -> RowStats:
     hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
@@ -300,6 +314,21 @@ def backward_rows(
     stats: the forward's (lse, entropy, and its single tile if kept: consumed, overwritten
     here); up: the [M] upstream gradients (None where that output is unused).
     """
+    num_rows = rows.hidden.shape[0]
+    pad = opts.schedule.padding(num_rows)
+    if pad == 0:
+        return _backward_rows(rows, stats, up, opts, needs)
+    # The filler rows repeat the first row's statistics and get a zero upstream gradient: their
+    # dz is exactly 0, so they add nothing to dW / db, and their dh is dropped.
+    stats = stats._replace(lse=extend_rows(stats.lse, pad), entropy=extend_rows(stats.entropy, pad))
+    up = Upstream(*(extend_rows(u, pad, 0.0) for u in up))
+    dh, dw, db = _backward_rows(rows.padded(pad), stats, up, opts, needs)
+    return (None if dh is None else dh[:num_rows]), dw, db
+
+
+def _backward_rows(
+    rows: RowBatch, stats: RowStats, up: Upstream, opts: KernelOptions, needs: Needs
+) -> HeadGrads:
     grad_logp, grad_ent = up
     hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -352,7 +381,27 @@ def fused_rows(
     only depend on its own rows' values: that is what makes the loss token-local.
 
     Returns logp [M], entropy [M] or None, and (dh, dW, db) as ``backward_rows`` does.
+    Under a padded schedule the filler rows get a zero gradient and ``grad_fn`` never sees them.
     """
+    num_rows = rows.hidden.shape[0]
+    pad = opts.schedule.padding(num_rows)
+    if pad == 0:
+        return _fused_rows(rows, opts, grad_fn, needs)
+
+    def real_grad_fn(r0: int, r1: int, logp: torch.Tensor, ent: torch.Tensor | None):
+        stop = min(r1, num_rows)
+        cut = None if ent is None else ent[: stop - r0]
+        g, e = grad_fn(r0, stop, logp[: stop - r0], cut)
+        return extend_rows(g, r1 - stop, 0.0), extend_rows(e, r1 - stop, 0.0)
+
+    logp, ent, (dh, dw, db) = _fused_rows(rows.padded(pad), opts, real_grad_fn, needs)
+    ent = None if ent is None else ent[:num_rows]
+    return logp[:num_rows], ent, ((None if dh is None else dh[:num_rows]), dw, db)
+
+
+def _fused_rows(
+    rows: RowBatch, opts: KernelOptions, grad_fn: GradFn, needs: Needs
+) -> tuple[torch.Tensor, torch.Tensor | None, HeadGrads]:
     hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device

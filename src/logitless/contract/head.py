@@ -53,6 +53,7 @@ class HeadCall:
     dtype; backend: the kernels that run it (``"torch"`` or ``"triton"``); batch_shape: the
     caller's ``labels.shape``; num_valid: rows whose label is not ``ignore_index`` (None in
     the capturable mode, which never reads it); capturable / row_capacity: the capturable mode
+    (:class:`~.options.HeadOptions`); batch_invariant: the batch-invariant schedule
     (:class:`~.options.HeadOptions`); replay: the checked sampler (None: no sampling replay).
     """
 
@@ -73,6 +74,7 @@ class HeadCall:
     replay: ReplayArgs | None
     capturable: bool = False
     row_capacity: int | None = None
+    batch_invariant: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -164,6 +166,7 @@ def _check(
         replay=check_sampler(sampler, flat, labels.shape, options.ignore_index, label_vocab),
         capturable=options.capturable,
         row_capacity=options.row_capacity,
+        batch_invariant=options.batch_invariant,
     )
 
 

@@ -58,6 +58,10 @@ class HeadOptions:
         value checks become device-side assertions (docs/capturable.md).
     row_capacity: with ``capturable``, project only this many rows: the valid rows, gathered
         in order (more valid rows than this is a device-side error). None: every row.
+    batch_invariant: each token's results are the same bits whatever else is in the call (how
+        many rows, their values and order, how many are ignored, the caller's chunking, with or
+        without gradients; the fused loss runs the log-prob op's forward): fixed row blocks and
+        a tile width from the vocabulary and device alone (docs/head.md, "Batch invariance").
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -71,6 +75,7 @@ class HeadOptions:
     backend: Backend = "auto"
     capturable: bool = False
     row_capacity: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, torch.Tensor):
@@ -92,6 +97,7 @@ class HeadOptions:
         _check_backend_name(self.backend)
         check_flag("capturable", self.capturable)
         check_optional_int("row_capacity", self.row_capacity, minimum=1)
+        check_flag("batch_invariant", self.batch_invariant)
         if self.row_capacity is not None and not self.capturable:
             raise ValueError(
                 "row_capacity needs capturable=True (the default mode selects the valid rows "
@@ -222,6 +228,7 @@ class HeadKwargs(TypedDict, total=False):
     backend: Backend
     capturable: bool
     row_capacity: int | None
+    batch_invariant: bool
     top_k: int | None
     top_p: float | None
     min_p: float | None

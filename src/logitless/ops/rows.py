@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends.base import KernelOptions, RowBatch, Schedule
+from ..backends.base import KernelOptions, RowBatch, Schedule, check_invariant_blas
 from ..contract.head import HeadCall
 
 
@@ -125,18 +125,24 @@ def kernel_batch(call: HeadCall, rows: Rows) -> RowBatch:
 def kernel_options(call: HeadCall, num_rows: int, *, fused: bool = False) -> KernelOptions:
     """The kernels' options of a checked call over ``num_rows`` rows.
 
-    ``fused``: the gradient-in-forward path, whose torch row chunk keeps all V logits. Under
+    ``fused``: the gradient-in-forward path, whose torch row chunk keeps all V logits (in the
+    batch-invariant mode: the log-prob op's very schedule, after the one-time check that the
+    device's matmul allows it). Under
     vocab parallelism the torch schedule is sized by the largest shard, so every rank cuts the
     same row chunks (each one is a collective).
     """
     vp = call.vocab_parallel
     vocab = call.weight.shape[0] if vp is None else vp.max_shard
     choose = Schedule.choose_fused if fused else Schedule.choose
+    dev, invariant = call.weight.device, call.batch_invariant
+    schedule = choose(num_rows, vocab, dev, call.chunk_size, invariant=invariant)
+    if invariant:
+        check_invariant_blas(dev, call.head_dtype, call.weight.shape[1], schedule)
     return KernelOptions(
         transform=call.transform,
         with_entropy=call.with_entropy,
         head_dtype=call.head_dtype,
-        schedule=choose(num_rows, vocab, call.weight.device, call.chunk_size),
+        schedule=schedule,
         vocab_parallel=vp,
         backend=call.backend,
         chunk_size=call.chunk_size,

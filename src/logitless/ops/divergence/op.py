@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from ...backends.base import RowBatch
+from ...backends.base import RowBatch, check_invariant_blas
 from ...contract.divergence import (
     DivergenceCall,
     DivergenceOptions,
@@ -46,6 +46,7 @@ def linear_divergence(
     head_dtype: torch.dtype | None = None,
     vocab_parallel: VocabParallel | None = None,
     backend: Backend = "auto",
+    batch_invariant: bool = False,
 ) -> Divergence:
     """Per-token divergence between a teacher's and a student's next-token distributions,
     straight from each model's hidden states and LM head (knowledge / on-policy distillation).
@@ -105,6 +106,9 @@ def linear_divergence(
             where :func:`~logitless.linear_logprobs` would (16-bit heads on CUDA). Triton runs
             the dense teacher only: with ``teacher_topk`` or ``vocab_parallel``, ``"triton"``
             raises ``ValueError`` and ``"auto"`` runs the torch tiles.
+        batch_invariant: as in :func:`~logitless.linear_logprobs`: each token's divergence,
+            log-prob and entropy are the same bits whatever else is in the call, and its
+            log-prob the bits :func:`~logitless.linear_logprobs` gives with it.
 
     Returns:
         :class:`~logitless.Divergence` ``(divergence, logprobs, entropy)``: fp32 tensors of
@@ -153,6 +157,8 @@ def divergence_of_call(call: DivergenceCall) -> Divergence:
         hidden = t.hidden if rows.index is None else t.hidden.index_select(0, rows.index)
         teacher = RowBatch(hidden, t.weight, t.bias, rows.labels, rows.temperature)
         t_opts = dataclasses.replace(s_opts, transform=t.transform, head_dtype=t.head_dtype)
+        if student.batch_invariant:  # the teacher's matmul too (its own dtype and width)
+            check_invariant_blas(t.weight.device, t.head_dtype, t.weight.shape[1], s_opts.schedule)
     topk = None if call.topk is None else _local_topk(call, rows.index)
     div_rows = DivRows(kernel_batch(student, rows), teacher, topk)
     stats = run_rows(div_rows, DivOptions(s_opts, t_opts, call.mode, call.beta))

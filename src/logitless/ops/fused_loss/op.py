@@ -66,6 +66,7 @@ def fused_policy_loss(
     with_kept_mass: bool = False,
     capturable: bool = False,
     row_capacity: int | None = None,
+    batch_invariant: bool = False,
     teacher: TeacherHead | TeacherTopK | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
@@ -120,6 +121,10 @@ def fused_policy_loss(
         capturable, row_capacity: as in :func:`logitless.linear_logprobs`, and the loss's
             checks as in :func:`logitless.policy_loss` with ``capturable=True``: no host read,
             static shapes (docs/capturable.md).
+        batch_invariant: as in :func:`logitless.linear_logprobs`: the log-probs (and entropy)
+            the loss sees are the bits :func:`logitless.linear_logprobs` gives with it (the
+            same forward, row block by row block), so the ratio to old log-probs recorded that
+            way is exactly 1.0 on unchanged weights; the gradients are deterministic.
         teacher: a :class:`~logitless.TeacherHead` (the teacher's hidden states and head) or
             a :class:`~logitless.TeacherTopK` (its top-k log-probs): the loss gains the
             distillation term ``config.distill_coef · D`` with ``D`` from
@@ -215,7 +220,7 @@ def teacher_divergence(call: HeadCall, hidden, weight, labels, bias, options, te
             logit_scale=options.logit_scale, softcap=options.softcap,
             ignore_index=options.ignore_index, chunk_size=options.chunk_size,
             head_dtype=options.head_dtype, vocab_parallel=options.vocab_parallel,
-            backend=options.backend, **pair,
+            backend=options.backend, batch_invariant=options.batch_invariant, **pair,
         ).divergence  # fmt: skip
 
     return divergence

@@ -40,6 +40,7 @@ _FIELDS = (
     "backend",
     "capturable",
     "row_capacity",
+    "batch_invariant",
 )
 
 
@@ -59,6 +60,7 @@ def _flat(options: HeadOptions) -> tuple:
         options.backend,
         options.capturable,
         options.row_capacity,
+        options.batch_invariant,
     )
 
 
@@ -87,11 +89,12 @@ def _forward_op(
     backend: str,
     capturable: bool,
     row_capacity: int | None,
+    batch_invariant: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprobs, entropy, lse, entropy for backward), each of ``labels.shape``; entropy is
     zeros when not asked for. lse / entropy are 0 at ignored rows (only valid rows use them)."""
     flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
-            chunk_size, head_dtype, backend, capturable, row_capacity)  # fmt: skip
+            chunk_size, head_dtype, backend, capturable, row_capacity, batch_invariant)  # fmt: skip
     call = _call(hidden, weight, labels, bias, flat)
     rows = select_rows(call)
     opts = kernel_options(call, rows.labels.numel())
@@ -130,6 +133,7 @@ def _backward_op(
     backend: str,
     capturable: bool,
     row_capacity: int | None,
+    batch_invariant: bool,
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_logprobs: torch.Tensor,
@@ -138,7 +142,7 @@ def _backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias) of the head; an empty tensor for a gradient not needed."""
     flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
-            chunk_size, head_dtype, backend, capturable, row_capacity)  # fmt: skip
+            chunk_size, head_dtype, backend, capturable, row_capacity, batch_invariant)  # fmt: skip
     call = _call(
         hidden.detach(), weight.detach(), labels, None if bias is None else bias.detach(), flat
     )

@@ -35,6 +35,7 @@ def linear_logprobs(
     with_kept_mass: bool = False,
     capturable: bool = False,
     row_capacity: int | None = None,
+    batch_invariant: bool = False,
 ) -> LogProbs:
     """Log-probability of each label (and the entropy of each row) straight from hidden states.
 
@@ -105,6 +106,16 @@ def linear_logprobs(
         row_capacity: with ``capturable``, project only this many rows, the valid rows first in
             their order (a caller who knows the responses fit saves the prompt rows' work);
             more valid rows than this is a device-side error, never rows dropped.
+        batch_invariant: each token's outputs are the same bits whatever else is in the call
+            (how many rows, their values and order, how many are ignored), whatever the
+            caller's chunking, with or without gradients, and the same as inside
+            :func:`~logitless.fused_policy_loss` and :func:`~logitless.linear_divergence` (so a
+            PPO ratio on unchanged weights is exactly 1.0); each row's hidden gradient is the
+            same bits for the same upstream gradient and the weight gradient is deterministic.
+            For one device, dtype and head (docs/head.md, "Batch invariance"). Fixed row blocks
+            of the torch tiles (the last one padded); refused with a ``ValueError`` where the
+            device's matmul gives a row different bits at another place in a block (checked
+            once, on the first call). Composes with ``capturable``.
 
     Returns:
         :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape`` (float64

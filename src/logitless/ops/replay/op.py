@@ -169,7 +169,9 @@ def _subset_options(opts: KernelOptions, num_rows: int, batch: RowBatch) -> Kern
     one): under vocab parallelism sized by the largest shard, as every rank must cut alike."""
     vp = opts.vocab_parallel
     vocab = batch.weight.shape[0] if vp is None else vp.max_shard
-    schedule = type(opts.schedule).choose(num_rows, vocab, batch.hidden.device, opts.chunk_size)
+    schedule = type(opts.schedule).choose(
+        num_rows, vocab, batch.hidden.device, opts.chunk_size, invariant=opts.schedule.padded
+    )
     return dataclasses.replace(opts, schedule=schedule)
 
 

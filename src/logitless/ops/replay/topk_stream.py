@@ -224,8 +224,22 @@ def stream_candidates(
     batch: R rows (weight: this rank's shard under ``opts.vocab_parallel``; labels
     shard-local); ``cap`` <= the global vocabulary size. ``with_mass``: also the whole row's
     log-sum-exp (online max and ``Σ exp``; otherwise ``lse`` is NaN). Rows are processed in
-    chunks whose ``[rows, cap]`` candidates stay within a fixed budget.
+    chunks whose ``[rows, cap]`` candidates stay within a fixed budget; in the batch-invariant
+    mode, the log-prob op's fixed row blocks (the last one padded), so a row's candidates and
+    mass do not depend on the other rows.
     """
+    if opts.schedule.padded:
+        num_rows = batch.hidden.shape[0]
+        pad = opts.schedule.padding(num_rows)
+        cand = _stream(batch.padded(pad), opts, cap, with_mass, opts.schedule)
+        return Candidates(*(x[:num_rows] for x in cand))
+    return _stream(batch, opts, cap, with_mass, None)
+
+
+def _stream(
+    batch: RowBatch, opts: KernelOptions, cap: int, with_mass: bool, fixed: Schedule | None
+) -> Candidates:
+    """:func:`stream_candidates` under the schedule ``fixed`` (None: chosen here)."""
     hidden, weight, bias, labels, temp = batch
     vp = opts.vocab_parallel
     num_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -234,7 +248,7 @@ def stream_candidates(
     sched_vocab = vocab if vp is None else vp.max_shard
     world = 1 if vp is None else vp.world_size
     rows_per = max(1, min(opts.schedule.rows, _CANDIDATE_ELEMS // (cap * world), num_rows))
-    sched = Schedule.choose(num_rows, sched_vocab, dev, rows_per)
+    sched = fixed or Schedule.choose(num_rows, sched_vocab, dev, rows_per)
     sparse = _host_filter(dev)
     h_all = hidden.to(opts.head_dtype)
     cd = opts.compute_dtype
