@@ -213,6 +213,10 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     )
     busy = load.report().note()
     print(format_table(rows, warning=busy))  # the table's last line carries the warning
+    if args.task == "invariance":  # what the mode buys: the trainer pattern's ratios
+        from .bench.invariance import ratio_report
+
+        print(ratio_report(base))
     if busy:
         for r in rows:  # the CSV's note column keeps it
             r.reason = "; ".join(n for n in (r.reason, busy) if n)

@@ -574,6 +574,12 @@ def _build_trl_distill(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
+def _invariance() -> dict[str, Method]:
+    from . import invariance  # its builders use this module's helpers, all defined by now
+
+    return invariance.methods()
+
+
 TASKS: dict[str, dict[str, Method]] = {
     "logprobs": {
         m.name: m
@@ -731,6 +737,7 @@ TASKS: dict[str, dict[str, Method]] = {
             Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
         )
     },
+    "invariance": _invariance(),
 }
 
 
@@ -741,6 +748,7 @@ TASK_SUMMARY: dict[str, str] = {
     "capturable": "the capturable mode against the default mode",
     "distill": "the divergence to a teacher head (forward KL)",
     "replay": "sampling replay (a kept-id mask, top-k / top-p) against the full vocabulary",
+    "invariance": "batch_invariant=True against the default mode; the trainer pattern's ratios",
 }
 
 
