@@ -345,9 +345,11 @@ def test_compute_loss_under_bf16_matches_trl(model_dir, tmp_path):
     accelerator's autocast (the head in bf16), and so does the adapter. The metrics computed
     from the head (entropy, kl) equal TRL's, which they would not with an fp32 head (2.7976 vs
     2.7973 here); the loss and every gradient are within 4x TRL's own bf16 error against the
-    same loss computed without autocast (an fp32 stock trainer on the same batch)."""
+    same loss computed without autocast (an fp32 stock trainer on the same batch). The
+    log-probs and entropies TRL takes when it scores a batch (old policy, reference) are TRL's
+    to within 1% of its own bf16 error (an fp32 head would be 100x that away)."""
     options, attrs, tweaks = COMBOS["off_policy_mask_entropy_kl"]
-    results, inputs = {}, None
+    results, scored, inputs = {}, {}, None
     # One after the other: the accelerator's mixed-precision setting is process-wide state.
     for name, cls, bf16 in (
         ("fp32", trl.GRPOTrainer, False),
@@ -359,8 +361,20 @@ def test_compute_loss_under_bf16_matches_trl(model_dir, tmp_path):
         assert trainer.accelerator.mixed_precision == ("bf16" if bf16 else "no")
         trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
         inputs = _batch(trainer, tweaks) if inputs is None else inputs
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            scored[name] = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, attention, inputs["completion_ids"].shape[1],
+                compute_entropy=True,
+            )[:2]  # fmt: skip
         trainer.model.train()
         results[name] = _loss_and_grads(trainer, inputs)
+    mask = inputs["completion_mask"].bool()
+    for i, what in enumerate(("log-probs", "entropies")):
+        op, ref, true = (scored[k][i][mask] for k in ("ours", "stock", "fp32"))
+        atol = 0.01 * float((ref - true).abs().max())
+        torch.testing.assert_close(op, ref, rtol=0.0, atol=atol, msg=f"scoring {what}")
     (op_loss, op_grads, op_metrics), (ref_loss, ref_grads, ref_metrics) = (
         results["ours"],
         results["stock"],
