@@ -35,6 +35,7 @@ differ from the GPU); it runs one fixed small configuration instead of autotunin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -322,8 +323,21 @@ def _dz_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Configurations
+# Configurations: which tile configuration a launch can run
 # --------------------------------------------------------------------------------------------
+#
+# One rule, :func:`candidates`, says which configurations a launch can run; the launcher and the
+# ahead-of-time compile check (:mod:`logitless.backends.aot`) both call it:
+#   - the interpreter: ``_INTERPRETER`` (few, wide programs: Python runs each one);
+#   - calls with fewer than ``_TUNE_MIN_ELEMS`` logits: the table's "small", one configuration
+#     (autotuning costs a few seconds per new kernel specialization; it pays off only where the
+#     kernels take milliseconds);
+#   - larger calls: the kernel's table (``_TABLES``), the dot kind's list, pruned to the
+#     configurations whose pipelined operand tiles fit the device's shared memory at the real
+#     operand size (a 4-byte operand, fp32 weights even under a 16-bit head, takes twice a 2-byte
+#     one's bytes); the autotuner times what is left once per key (every constexpr the launcher
+#     passes: dtypes, transform flags, outputs, plus the hidden widths).
+# A mode that pins one configuration (batch invariance) is one more branch of ``candidates``.
 
 
 def _config(bm, bn, bk, warps, stages, group_m=8):
@@ -334,64 +348,168 @@ def _config(bm, bn, bk, warps, stages, group_m=8):
     )
 
 
-# Tensor-core tiles (16-bit, TF32) and FMA tiles (IEEE fp32), pruned per call by the dot kind.
-# Kept: the fastest few of a wider sweep on an H100 (bf16, H=3584, V=152064, 16384 rows:
-# 128x256x64 with 8 warps led both kernels; 128x128 / 256x128 were 10-15% slower, 64-wide
-# tiles 30-80% slower).
-_CONFIGS_TC = [
-    _config(128, 256, 64, 8, 3),
-    _config(128, 256, 64, 8, 4),
-    _config(128, 128, 64, 8, 4),
-    _config(256, 128, 64, 8, 3),
-]
-_CONFIGS_IEEE = [
-    _config(128, 128, 16, 8, 2),
-    _config(64, 64, 32, 4, 3),
-]
-# The interpreter runs each program in Python: few, wide programs are fast, and 16 rows x 128
-# columns still cut the tests' odd shapes into several row blocks, vocab blocks and K steps.
-_INTERPRETER_META = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 4}
-# Calls with fewer than _TUNE_MIN_ELEMS logits run one fixed configuration: autotuning (a few
-# seconds per new kernel specialization) only pays off where the kernels take milliseconds.
-_SMALL_META = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}
-_SMALL_LAUNCH = {"num_warps": 4, "num_stages": 2}
+# One table per kind of kernel: "small", the fixed configuration of small calls, and per dot
+# kind the autotuned lists: "tc" (tensor cores: 16-bit operands, TF32, 16-bit products under an
+# fp32 head) and "fma" (IEEE fp32). Every entry compiles for sm_80, sm_90 and sm_100 within the
+# target's shared memory and registers, and none spills on the headline problem (bf16, H = 3584,
+# V = 152064, every transform flag): ``python -m logitless.backends.aot --report`` prints them
+# and tests/test_triton_compile.py checks it. The widest tiles of an H100 sweep (128x256x64 and
+# 256x128x64, 8 warps: 10-15% faster than 128x128 without softcap) spill 400-2600 bytes with the
+# transform in the epilogue, and 16 warps cap the registers at 128 and spill too: they are out.
+_HEAD_TABLE = {
+    "small": _config(64, 64, 32, 4, 2),
+    "tc": [
+        _config(128, 128, 64, 8, 3),
+        _config(128, 128, 64, 8, 4),
+        _config(64, 256, 64, 8, 3),
+        _config(128, 128, 32, 8, 3),  # fits 4-byte operands (fp32 weights) on every target
+    ],
+    "fma": [
+        _config(128, 128, 16, 8, 2),
+        _config(64, 64, 32, 4, 3),
+    ],
+}
+# The divergence's kernels hold two GEMMs (student and teacher) per program: twice the
+# accumulators of the head's kernels at one tile size (the operand tiles' shared memory is
+# reused: the two GEMM loops run one after the other).
+_DIVERGENCE_TABLE = {
+    "small": _config(64, 64, 32, 8, 2),
+    "tc": [
+        _config(64, 128, 64, 8, 3),
+        _config(64, 128, 32, 8, 4),
+        _config(64, 64, 64, 8, 3),
+    ],
+    "fma": [
+        _config(64, 64, 32, 8, 2),
+        _config(64, 128, 16, 8, 2),
+    ],
+}
+_TABLES = {"head": _HEAD_TABLE, "divergence": _DIVERGENCE_TABLE}
+_INTERPRETER = _config(16, 128, 32, 1, 1, group_m=4)
 _TUNE_MIN_ELEMS = 1 << 26
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 
 
-def _prune(configs, named_args, **kwargs):
-    ieee = kwargs.get("IEEE", named_args.get("IEEE"))
-    keep = [c for c in configs if (c.kwargs["BLOCK_K"] <= 32) == bool(ieee)]
-    return keep or configs
+def _dot_kind(kernel: _Kernel, args: dict) -> str:
+    return "fma" if any(args[f] for f in kernel.ieee) else "tc"
 
 
-def _tuned(kernel, key: list[str]):
+def _operand_bytes(kernel: _Kernel, args: dict) -> int:
+    """Bytes of the widest GEMM operand as loaded (tiles sit in shared memory before any cast)."""
+    return max(args[name].element_size() for name in kernel.operands)
+
+
+def shared_bytes(config: triton.Config, operand_bytes: int) -> int:
+    """Shared memory the pipelined operand tiles of ``config`` ask for: ``num_stages`` buffers of
+    one ``[BLOCK_M, BLOCK_K]`` and one ``[BLOCK_K, BLOCK_N]`` tile (a kernel with two GEMMs runs
+    them one after the other in the same buffers)."""
+    k = config.kwargs
+    return config.num_stages * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * operand_bytes
+
+
+def tuned_configs(name: str, args: dict, shared_limit: int) -> list[triton.Config]:
+    """The autotuned configurations a launch of kernel ``name`` with arguments ``args`` (by name,
+    constexprs included) can run on a device with ``shared_limit`` bytes of shared memory per
+    block; never empty (the table's small configuration fits every device)."""
+    kernel = _KERNELS[name]
+    size = _operand_bytes(kernel, args)
+    table = _TABLES[kernel.table]
+    keep = [c for c in table[_dot_kind(kernel, args)] if shared_bytes(c, size) <= shared_limit]
+    return keep or [table["small"]]
+
+
+def candidates(name: str, elems: int, args: dict, shared_limit: int) -> list[triton.Config]:
+    """Every configuration a launch of kernel ``name`` over ``elems`` logits can run (module
+    comment above); ``args`` by name, ``shared_limit``: the device's bytes per block."""
     if _INTERPRET:
-        return kernel
-    return triton.autotune(
-        configs=_CONFIGS_TC + _CONFIGS_IEEE,
-        key=["K", "HEAD_DTYPE", "IEEE", *key],
-        prune_configs_by={"early_config_prune": _prune},
-    )(kernel)
+        return [_INTERPRETER]
+    if elems < _TUNE_MIN_ELEMS:
+        return [_TABLES[_KERNELS[name].table]["small"]]
+    return tuned_configs(name, args, shared_limit)
 
 
-_stats_tuned = _tuned(_stats_kernel, ["WITH_ENTROPY"])
-_dz_tuned = _tuned(_dz_kernel, ["HAS_E"])
-_KERNELS = {"stats": (_stats_kernel, _stats_tuned), "dz": (_dz_kernel, _dz_tuned)}
+@functools.cache
+def _shared_limit(device_index: int) -> int:
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return props["max_shared_mem"]
+
+
+class _Kernel:
+    """A kernel as the launcher runs it: ``plain`` (one configuration given at launch),
+    ``tuned`` (autotuned over its table), the names of its GEMM operands (hidden, weight per
+    head) and of its IEEE flags."""
+
+    def __init__(self, name, fn, operands, ieee, dims, table="head") -> None:
+        self.plain, self.operands, self.ieee, self.table = fn, operands, ieee, table
+        self.tuned = fn
+        if not _INTERPRET:
+            inner = getattr(fn, "fn", fn)  # under @triton.heuristics
+            heur = set(getattr(fn, "values", {}))
+            params = [p.name for p in inner.params if p.is_constexpr]
+            key = [*dims, *(p for p in params if p not in heur and p not in _CONFIG_KEYS)]
+            prune = functools.partial(_prune, name)
+            self.tuned = triton.autotune(
+                configs=[c for kind in ("tc", "fma") for c in _TABLES[table][kind]],
+                key=key,
+                prune_configs_by={"early_config_prune": prune},
+            )(fn)
+
+
+def _prune(name, configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    device = args[_KERNELS[name].operands[0]].device
+    return tuned_configs(name, args, _shared_limit(device.index))
+
+
+_KERNELS: dict[str, _Kernel] = {}
+
+
+def register(name: str, fn, operands: tuple[str, ...], ieee: tuple[str, ...], dims, table="head"):
+    """Make kernel ``fn`` launchable by :func:`_launch` under ``name``: its GEMM operands'
+    argument names (hidden, weight per head), its IEEE flags, its hidden widths (autotune key)
+    and its configuration table."""
+    _KERNELS[name] = _Kernel(name, fn, tuple(operands), tuple(ieee), list(dims), table)
+
+
+register("stats", _stats_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
+register("dz", _dz_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
+
+# The ahead-of-time check's hook: a list while :func:`recording` runs (launches are recorded,
+# not run).
+_RECORDED: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, kernel launches are not run but recorded as ``(name, elems, args,
+    kwargs)`` into the yielded list (:mod:`logitless.backends.aot` reads the launchers' own
+    arguments this way; any tensors, meta tensors too)."""
+    global _RECORDED
+    previous, _RECORDED = _RECORDED, []
+    try:
+        yield _RECORDED
+    finally:
+        _RECORDED = previous
 
 
 def _launch(name: str, elems: int, grid_of, *args, **kwargs) -> None:
-    """Launch kernel ``name`` over ``elems`` logits on the tensors' device: autotuned when the
-    call is large, one fixed small configuration otherwise or under the interpreter."""
-    plain, tuned = _KERNELS[name]
+    """Launch kernel ``name`` over ``elems`` logits on the tensors' device, in one of the
+    configurations :func:`candidates` allows (autotuned among them when there are several)."""
+    kernel = _KERNELS[name]
+    if _RECORDED is not None:
+        _RECORDED.append((name, elems, args, kwargs))
+        return
     if _INTERPRET:
-        plain[(grid_of(_INTERPRETER_META),)](*args, **kwargs, **_INTERPRETER_META)
+        meta = _INTERPRETER.kwargs
+        kernel.plain[(grid_of(meta),)](*args, **kwargs, **meta)
         return
     with torch.cuda.device(args[0].device):
         if elems < _TUNE_MIN_ELEMS:
-            grid = (grid_of(_SMALL_META),)
-            plain[grid](*args, **kwargs, **_SMALL_META, **_SMALL_LAUNCH)
+            small = _TABLES[kernel.table]["small"]
+            launch = {"num_warps": small.num_warps, "num_stages": small.num_stages}
+            kernel.plain[(grid_of(small.kwargs),)](*args, **kwargs, **small.kwargs, **launch)
         else:
-            tuned[lambda meta: (grid_of(meta),)](*args, **kwargs)
+            kernel.tuned[lambda meta: (grid_of(meta),)](*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,9 +531,14 @@ class _Call:
         if hd not in _TL_DTYPES:
             raise ValueError(f"backend='triton' runs fp32, bf16 or fp16 heads, got {hd}")
         # fp32 follows torch's matmul precision ("highest": IEEE, else TF32); the interpreter
-        # always multiplies in IEEE fp32.
+        # always multiplies in IEEE fp32. 16-bit inputs under an fp32 head: their products are
+        # exact in fp32, so the tensor cores multiply them as they are, accumulating in fp32.
+        exact16 = hd == torch.float32 and _exact_16bit(self.hidden.dtype, self.weight.dtype)
+        dot = _TL_DTYPES[self.hidden.dtype if exact16 else hd]
         ieee = _INTERPRET or (
-            hd == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+            hd == torch.float32
+            and not exact16
+            and torch.get_float32_matmul_precision() == "highest"
         )
         transform = opts.transform
         scalar_t = transform.temperature if transform.temperature is not None else 1.0
@@ -429,7 +552,7 @@ class _Call:
             "TEMP_MODE": 2 if temp is not None else (1 if scalar_t != 1.0 else 0),
             "HEAD_DTYPE": _TL_DTYPES[hd],
             # The interpreter's dot is wrong on 16-bit tiles: upcast them there (exact).
-            "DOT_DTYPE": tl.float32 if _INTERPRET else _TL_DTYPES[hd],
+            "DOT_DTYPE": tl.float32 if _INTERPRET else dot,
             "IEEE": ieee,
         }
 
@@ -444,6 +567,12 @@ class _Call:
             self.labels[r0:r1],
             self.temp[r0:r1] if self.temp is not None else h,
         )
+
+
+def _exact_16bit(hidden: torch.dtype, weight: torch.dtype) -> bool:
+    """Whether products of ``hidden`` and ``weight`` values are exact in 16-bit tensor-core
+    dots under an fp32 head: both in one 16-bit dtype (their products fit fp32's mantissa)."""
+    return hidden == weight and hidden in (torch.bfloat16, torch.float16)
 
 
 def _num_splits(rows: int, vocab: int, device: torch.device) -> int:
