@@ -139,6 +139,12 @@ def test_policy_loss_with_a_teacher_refuses_distill_beta_before_either_backbone(
     assert not calls
 
 
+def test_the_divergence_points_distill_beta_to_its_beta(models):
+    student, teacher, _ = models
+    with pytest.raises(TypeError, match=r"'distill_beta'.*own interpolation is beta="):
+        hf.causal_lm_divergence(student, teacher, IDS, distill_beta=0.5)
+
+
 @pytest.mark.parametrize("function", list(CALLS))
 def test_every_logitless_name_the_function_does_not_take_raises(function, models):
     student, teacher, calls = models

@@ -500,6 +500,8 @@ def _not_an_option_here(function: str, name: str) -> TypeError:
     hint = ""
     if "logitless.PolicyLossConfig" in owners and function == "causal_lm_policy_loss":
         hint = f" Set it on the loss's config: config=PolicyLossConfig({name}=...)."
+    elif name == "distill_beta" and function == "causal_lm_divergence":
+        hint = " This function's own interpolation is beta= (TRL's convention)."
     elif name.startswith("teacher_") and function == "causal_lm_divergence":
         hint = " The teacher's head and its transform come from the teacher model itself."
     return TypeError(
