@@ -322,6 +322,17 @@ def _compare_head_steps(compiled):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_every_registered_backend_is_loaded_by_an_import_statement():
+    """backend_for loads a backend by a plain import statement (what Dynamo can trace), not by
+    importlib: each module the registry names has its loader, which returns that module."""
+    from logitless.backends import LOADERS
+    from logitless.contract.backend import BACKENDS
+
+    assert set(LOADERS) == {spec.module for spec in BACKENDS.values()}
+    torch_tiles = "logitless.backends.torch_tiles"
+    assert LOADERS[torch_tiles]().__name__ == torch_tiles
+
+
 def test_compiled_step_of_the_default_mode_breaks_the_graph():
     """The compile test can fail: the default mode's host read is a graph break."""
     torch._dynamo.reset()

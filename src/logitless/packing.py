@@ -504,5 +504,9 @@ def segment_sum_unchecked(
     already known to lie in ``[-1, num_documents)``: no checks, no host sync (hot paths)."""
     # padding goes to one spare slot at the end, dropped afterwards
     slot = torch.where(document_ids >= 0, document_ids, num_documents)
-    out = values.new_zeros(num_documents + 1, *values.shape[1:]).index_add(0, slot, values)
+    # scatter_add, not index_add: inductor's C++ code generation crashes on an index_add whose
+    # index it computes itself (ids made in the graph, e.g. one per row of [B, T]) in
+    # torch 2.13; scatter_add lowers another way (docs/capturable.md, "Under torch.compile").
+    slot = slot.reshape(-1, *([1] * (values.dim() - 1))).expand_as(values)
+    out = values.new_zeros(num_documents + 1, *values.shape[1:]).scatter_add(0, slot, values)
     return out[:num_documents]

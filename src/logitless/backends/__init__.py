@@ -14,16 +14,41 @@ A call picks one with ``backend="auto" | "triton" | "torch"``
 
 from __future__ import annotations
 
-import importlib
-from typing import cast
+from collections.abc import Callable
+from types import ModuleType
 
 from ..contract.backend import BACKENDS
 from .base import KernelBackend, KernelOptions
 
+# Each registered backend's module is imported by a plain ``import`` statement on first use
+# (Triton's, which imports triton, only when a call picks it). Not by ``importlib``: Dynamo
+# cannot trace ``importlib.import_module`` (a graph break, an error under fullgraph=True),
+# while it runs an ``import`` statement as it traces, so a compiled step reaches the kernels.
+
+
+def _torch_tiles() -> ModuleType:
+    from . import torch_tiles
+
+    return torch_tiles
+
+
+def _triton_kernels() -> ModuleType:
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+#: How each module that :data:`~logitless.contract.backend.BACKENDS` names is imported.
+LOADERS: dict[str, Callable[[], ModuleType]] = {
+    "logitless.backends.torch_tiles": _torch_tiles,
+    "logitless.backends.triton_kernels": _triton_kernels,
+}
+
 
 def backend_for(opts: KernelOptions) -> KernelBackend:
     """The module implementing ``opts.backend`` (imported on first use)."""
-    return cast(KernelBackend, importlib.import_module(BACKENDS[opts.backend].module))
+    module: KernelBackend = LOADERS[BACKENDS[opts.backend].module]()  # type: ignore[assignment]
+    return module
 
 
-__all__ = ["backend_for"]
+__all__ = ["LOADERS", "backend_for"]

@@ -32,6 +32,7 @@ from ...losses.checks import check_policy_loss
 from ...sampling import SamplingMask
 from ...types import TeacherHead
 from ..divergence.op import linear_divergence
+from ..logprobs.function import run_rows
 from ..rows import kernel_batch, kernel_options, refuse_double_backward, select_rows
 from .replay import replay_policy_loss
 from .row_loss import PolicyRowLoss, RowLoss, all_rows_grad_fn, chunk_grad_fn
@@ -120,7 +121,9 @@ def fused_policy_loss(
             ``replay_log_kept_mass`` (see :mod:`logitless.ops.fused_loss.replay`).
         capturable, row_capacity: as in :func:`logitless.linear_logprobs`, and the loss's
             checks as in :func:`logitless.policy_loss` with ``capturable=True``: no host read,
-            static shapes (docs/capturable.md).
+            static shapes (docs/capturable.md). Compiled (``torch.compile``, ``fullgraph=True``
+            works), a capturable call runs the composed form above, which Dynamo can trace:
+            the same numbers, four head matmuls, and a second backward is not refused.
         batch_invariant: as in :func:`logitless.linear_logprobs`: the log-probs (and entropy)
             the loss sees are the bits :func:`logitless.linear_logprobs` gives with it (the
             same forward, row block by row block), so the ratio to old log-probs recorded that
@@ -260,6 +263,8 @@ def fused_loss_of_call(
     term's ``D`` with its autograd history (the loss call holds it detached)."""
     rows = select_rows(call)
     loss = PolicyRowLoss(loss_call, rows)
+    if call.capturable and call.tracked and torch.compiler.is_compiling():
+        return _composed_rows(call, rows, loss)
     # The kernels get plain tensors: their gradients reach autograd through _StoredGradients.
     batch = kernel_batch(call, rows).detached()
     needs = (
@@ -282,6 +287,17 @@ def fused_loss_of_call(
     if call.replay is None:
         value = _through_divergence(value, divergence, d_div)
     return value, metrics
+
+
+def _composed_rows(call: HeadCall, rows, loss: RowLoss) -> tuple[torch.Tensor, dict]:
+    """The capturable call under ``torch.compile``: the composed form, the head's autograd
+    function and then the loss through autograd (the numbers the fused form promises; four
+    head matmuls instead of three). Dynamo cannot trace the fused form: it takes the loss's
+    gradient in forward (``torch.autograd.grad``, a graph break unless Dynamo's
+    ``trace_autograd_ops`` is on) and hands it to autograd by a side effect on a store."""
+    logp, ent = run_rows(kernel_batch(call, rows), kernel_options(call, rows.labels.numel()))
+    value, metrics = loss.evaluate(logp, ent, reduce_metrics=True)
+    return value, {k: v.detach() for k, v in metrics.items()}
 
 
 def _tracked(t: torch.Tensor | None) -> bool:
