@@ -1,9 +1,9 @@
 """Install hints say what works: logitless is not on a package index.
 
 Installing ``logitless[trl]`` by name from an index (what error messages and docs printed)
-fails for every user; from a checkout, ``pip install -e '.[trl]'`` installs the extra. Every hint in the sources,
-docs, examples and benchmarks installs from the checkout, and names an extra that
-pyproject.toml declares.
+fails for every user; from a checkout, ``pip install -e '.[trl]'`` installs the extra. Every
+hint in the sources, docs, examples and benchmarks installs from the checkout, and names an
+extra that pyproject.toml declares.
 """
 
 from __future__ import annotations
