@@ -1,8 +1,10 @@
 """Which kernels run a call: the backend registry and the rule that picks one.
 
 A backend is a module implementing :class:`logitless.backends.base.KernelBackend` (row forward,
-row backward, fused rows). Adding one is that module and one line in :data:`BACKENDS`: its
-module path and when it can run. ``backend="auto"`` takes the first registered backend whose
+row backward, fused rows). Adding one is that module, one line in :data:`BACKENDS` (its module
+path and when it can run) and its loader in :data:`logitless.backends.LOADERS` (a plain
+``import`` statement, which compiled code can trace; tests/test_capturable.py checks that every
+module named here has one). ``backend="auto"`` takes the first registered backend whose
 ``auto`` rule accepts the call, the torch tiles otherwise.
 """
 
@@ -31,7 +33,8 @@ def _installed(package: str) -> bool:
 class BackendSpec:
     """One registry line.
 
-    module: where the implementation lives (imported on first use).
+    module: where the implementation lives (imported on first use, by its loader in
+        :data:`logitless.backends.LOADERS`).
     refuse: ``(device, head_dtype) -> reason`` it cannot run a call (None: it can).
     auto: ``(device, head_dtype) -> bool``: ``backend="auto"`` picks it for such a call.
     """
