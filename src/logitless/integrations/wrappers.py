@@ -34,6 +34,8 @@ from typing import Any, NamedTuple, TypeVar
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .seam import run_as_forward
+
 try:  # FSDP2 (torch >= 2.6 exports it here)
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - torch builds without distributed
@@ -129,28 +131,7 @@ def _borrow_forward(w: Unwrapped, thunk: Callable[[], T]) -> T:
     """``w.outer()`` with ``w.borrowed.forward`` replaced by ``thunk`` for this one call."""
     borrowed = w.borrowed
     assert borrowed is not None
-    own = vars(borrowed).get("forward")  # an instance-level forward (accelerate's autocast)
-    result: list[T] = []
-
-    def restore() -> None:
-        if own is None:
-            vars(borrowed).pop("forward", None)
-        else:
-            borrowed.forward = own
-
-    def forward(*_args: Any, **_kwargs: Any) -> Any:
-        restore()  # so that thunk may call the model's real forward
-        result.append(thunk())
-        return result[-1]
-
-    borrowed.forward = forward
-    try:
-        out = w.outer()
-    finally:
-        restore()
-    if not result:
-        raise RuntimeError(
-            f"{type(w.outer).__name__}'s forward did not call {type(borrowed).__name__}'s "
-            "forward; logitless cannot run inside this wrapper"
-        )
+    out, _ = run_as_forward(
+        borrowed, lambda *_a, **_k: thunk(), w.outer, caller=f"{type(w.outer).__name__}'s forward"
+    )
     return out

@@ -1,0 +1,608 @@
+"""megatron-core: the head of a ``GPTModel`` without its logits.
+
+For the last pipeline stage of a megatron-core ``GPTModel`` (tested with 0.16), per-token
+log-probs, entropy, the fused policy loss and the divergence to a teacher ``GPTModel``, from
+the decoder's final hidden states and ``output_layer``'s weight shard; the ``[S, B, V/tp]``
+logits never exist. The model runs its own forward (embedding, decoder, final norm) and, where
+it would call ``output_layer(hidden_states, weight=...)``, the head runs *as* that call
+(:func:`logitless.integrations.seam.run_as_forward`): ``output_layer``'s forward pre-hooks
+(the distributed optimizer's ``overlap_param_gather``) fire as they would for the logits.
+
+What the model hands the head, in Megatron's terms (DESIGN.md, "Integrations: one seam"):
+
+- hidden states sequence-first ``[S, B, H]``; with ``sequence_parallel`` each
+  tensor-parallel rank holds ``[S/tp, B, H]``: gathered along S inside the head, their gradient
+  reduce-scattered back;
+- ``output_layer``'s weight, this rank's ``[V/tp, H]`` rows (a ``ColumnParallelLinear`` with
+  ``gather_output=False``), or the input embedding's shard when
+  ``share_embeddings_and_output_weights``; the vocabulary is split over the tensor-parallel
+  group (:class:`logitless.VocabParallel`);
+- labels and ``loss_mask`` batch-first ``[B, S]``, as ``GPTModel.forward(labels=...)`` takes
+  them (already next-token aligned; position ``s`` is scored on ``labels[:, s]``); outputs
+  come back ``[B, S]``, 0 where the mask is 0;
+- packed sequences: ``packed_seq_params`` (``qkv_format="thd"``, ``B = 1``) with
+  ``cu_seqlens_q`` and the per-sequence padded ``cu_seqlens_q_padded``: padding tokens are
+  never scored and each document gets its own id for the loss;
+- context parallelism: each document's padded tokens are cut into ``2·cp`` chunks and rank
+  ``r`` holds chunks ``r`` and ``2·cp−1−r`` (Megatron's ``get_batch_on_this_cp_rank`` split);
+  the losses sum their per-document statistics over the context-parallel group.
+
+Multi-token-prediction heads (``mtp_num_layers``) are refused: their losses are computed from
+the logits inside ``GPTModel``. Bad input raises ``ValueError`` on every rank of the
+tensor- and context-parallel groups together.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..contract.collectives import exchange, other_rank_failed
+from ..contract.vocab import VocabParallel
+from ..losses import LossNormalizer, PolicyLossConfig, loss_normalizer
+from ..types import Divergence, LogProbs
+from . import seam
+from .seam import ContextParallel, Head, LossInputs, Parallelism, SequenceParallel, Tokens
+
+__all__ = [
+    "MegatronHead",
+    "divergence",
+    "logprobs",
+    "megatron_head",
+    "policy_loss",
+    "policy_loss_step",
+    "step_normalizer",
+    "token_layout",
+]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class MegatronHead:
+    """What logitless reads from a ``GPTModel`` (see :func:`megatron_head`).
+
+    outer: the module to call (the model as given: Megatron's DDP or ``Float16Module`` around
+    it, or the model). model: the ``GPTModel``. parallel: the vocabulary group (Megatron's
+    tensor-parallel group), sequence parallelism, the context-parallel group. tp_size,
+    cp_rank, cp_size: the group sizes and this rank's place.
+    """
+
+    outer: nn.Module
+    model: nn.Module
+    parallel: Parallelism
+    tp_size: int
+    cp_rank: int
+    cp_size: int
+
+    @property
+    def groups(self) -> list[Any]:
+        """The groups whose ranks must fail together (tensor-, then context-parallel)."""
+        return [
+            g
+            for g, size in (
+                (_tp_group(self.model), self.tp_size),
+                (self.model.cp_group, self.cp_size),
+            )
+            if size > 1
+        ]
+
+
+_VOCAB: weakref.WeakKeyDictionary[nn.Module, VocabParallel] = weakref.WeakKeyDictionary()
+
+
+def _tp_group(model: nn.Module) -> Any:
+    return model.output_layer.tp_group
+
+
+def megatron_head(model: nn.Module) -> MegatronHead:
+    """Read the head of a ``GPTModel`` (or a Megatron wrapper around one: its DDP,
+    ``Float16Module``): its groups, and whether it can be run without logits.
+
+    The first call for a model builds its :class:`~logitless.VocabParallel` (a collective call
+    over the tensor-parallel group: every rank makes it); later calls reuse it.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    outer, inner = model, model
+    while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module):
+        inner = inner.module
+    if not isinstance(inner, GPTModel):
+        raise ValueError(
+            f"model must be a megatron.core GPTModel (or a Megatron DDP / Float16Module around "
+            f"one), got {type(model).__name__}"
+        )
+    config = inner.config
+    if getattr(inner, "mtp_process", False) or config.mtp_num_layers:
+        raise ValueError(
+            f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) is not supported: "
+            "GPTModel computes the MTP heads' losses from their logits inside its forward; "
+            "build the model without mtp_block_spec / mtp_num_layers"
+        )
+    if not inner.post_process:
+        raise ValueError(
+            "the head runs on the last pipeline stage (post_process=True); this stage has no "
+            "output_layer. In forward_step, return the model's output on the other stages"
+        )
+    layer = inner.output_layer
+    if layer.gather_output:
+        raise ValueError(
+            "output_layer gathers its output (GPTModel(parallel_output=False)): build the "
+            "model with parallel_output=True, the vocabulary split over the tensor-parallel "
+            "group"
+        )
+    tp_group = layer.tp_group
+    tp_size = tp_group.size()
+    rows = layer.output_size_per_partition
+    vp = None
+    if tp_size > 1:
+        vp = _VOCAB.get(layer)
+        if vp is None or vp.group is not tp_group:
+            rank = tp_group.rank()
+            vp = VocabParallel(tp_group, rank * rows, (rank + 1) * rows, vocab_size=rows * tp_size)
+            _VOCAB[layer] = vp
+    sp = SequenceParallel(tp_group, dim=0) if layer.sequence_parallel and tp_size > 1 else None
+    cp_group = inner.cp_group
+    cp_size = cp_group.size() if cp_group is not None else 1
+    cp = ContextParallel(cp_group, "zigzag") if cp_size > 1 else None
+    return MegatronHead(
+        outer=outer,
+        model=inner,
+        parallel=Parallelism(vocab=vp, sequence=sp, context=cp),
+        tp_size=tp_size,
+        cp_rank=cp_group.rank() if cp_size > 1 else 0,
+        cp_size=cp_size,
+    )
+
+
+def _agree(head: MegatronHead, error: ValueError | None, what: str) -> None:
+    """Raise ``error`` here and a ``ValueError`` on every other rank of the tensor- and
+    context-parallel groups when any of them had one (two exchanges reach the whole grid)."""
+    failed = error is not None
+    for group in head.groups:
+        failed, _ = exchange(group, failed, [])
+    if error is not None:
+        raise error
+    if failed:
+        raise other_rank_failed(what, "the tensor- or context-parallel group")
+
+
+# --- the batch's tokens in Megatron's layout ----------------------------------------------
+
+
+def token_layout(
+    head: MegatronHead,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens a batch trains on and its documents, ``[B, S]`` like the labels.
+
+    Returns ``(mask, document_ids)``: ``mask`` (bool) is ``loss_mask != 0`` (all True without
+    one) and, for a packed batch, False at each sequence's padding; ``document_ids`` (int64)
+    is, for a packed batch, each token's sequence index in ``packed_seq_params`` (the same on
+    every context-parallel rank for a split sequence; -1 at padding), else None. Pass them to
+    :func:`step_normalizer`; the loss functions here build the same themselves.
+    """
+    error: ValueError | None = None
+    try:
+        result = _token_layout(head, labels, loss_mask, packed_seq_params)
+    except ValueError as e:
+        error = e
+    _agree(head, error, "logitless.integrations.megatron")
+    return result
+
+
+def _token_layout(head, labels, loss_mask, packed_seq_params):
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.is_floating_point():
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be an integer tensor [batch, seq_length], got {got}")
+    if loss_mask is not None and (
+        not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != labels.shape
+    ):
+        got = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask
+        raise ValueError(
+            f"loss_mask must have the labels' shape {tuple(labels.shape)} [batch, seq_length], "
+            f"got {got}"
+        )
+    mask = torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else loss_mask != 0
+    if head.parallel.sequence is not None and labels.shape[1] % head.tp_size:
+        raise ValueError(
+            f"with sequence_parallel=True the sequence length must be a multiple of "
+            f"tensor_model_parallel_size={head.tp_size}, got seq_length={labels.shape[1]}"
+        )
+    if packed_seq_params is None:
+        if head.cp_size > 1:
+            raise ValueError(
+                f"context_parallel_size={head.cp_size} needs packed_seq_params "
+                "(qkv_format='thd', with cu_seqlens_q_padded): logitless reads each "
+                "sequence's split from it"
+            )
+        return mask, None
+    if getattr(packed_seq_params, "qkv_format", None) != "thd":
+        raise ValueError(
+            f"packed_seq_params.qkv_format must be 'thd', got "
+            f"{getattr(packed_seq_params, 'qkv_format', None)!r}"
+        )
+    if labels.shape[0] != 1:
+        raise ValueError(
+            f"a packed (thd) batch has batch size 1, got labels of shape {tuple(labels.shape)}"
+        )
+    doc, valid = _packed_tokens(packed_seq_params, head.cp_rank, head.cp_size, labels.shape[1])
+    doc, valid = doc.to(labels.device)[None], valid.to(labels.device)[None]
+    return mask & valid, doc
+
+
+def _packed_tokens(params: Any, cp_rank: int, cp_size: int, length: int):
+    """Per local token: its sequence index (-1 at padding) and whether it is a real token."""
+    true = params.cu_seqlens_q
+    padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else true
+    if true is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q is None")
+    true, padded = true.tolist(), padded.tolist()  # one host read each
+    if len(true) != len(padded):
+        raise ValueError(
+            f"packed_seq_params.cu_seqlens_q and cu_seqlens_q_padded must describe the same "
+            f"sequences, got {len(true) - 1} and {len(padded) - 1}"
+        )
+    chunks = 2 * cp_size if cp_size > 1 else 1
+    docs, positions, lengths = [], [], []
+    for i in range(len(true) - 1):
+        n, n_pad = true[i + 1] - true[i], padded[i + 1] - padded[i]
+        if n < 0 or n_pad < n or n_pad % chunks:
+            raise ValueError(
+                f"packed_seq_params: sequence {i} has {n} tokens padded to {n_pad}; the padded "
+                f"length must be at least the length and, with context_parallel_size="
+                f"{cp_size}, a multiple of 2 * context_parallel_size = {chunks}"
+            )
+        c = n_pad // chunks
+        if cp_size > 1:
+            last = chunks - 1 - cp_rank
+            pos = torch.cat(
+                [
+                    torch.arange(cp_rank * c, (cp_rank + 1) * c),
+                    torch.arange(last * c, (last + 1) * c),
+                ]
+            )
+        else:
+            pos = torch.arange(n_pad)
+        docs.append(torch.full_like(pos, i))
+        positions.append(pos)
+        lengths.append(torch.full_like(pos, n))
+    pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+    if pos.numel() != length:
+        raise ValueError(
+            f"packed_seq_params describes {pos.numel()} tokens on this context-parallel rank "
+            f"(cu_seqlens_q_padded[-1]={padded[-1]} / context_parallel_size={cp_size}), but "
+            f"the labels have seq_length={length}"
+        )
+    valid = pos < torch.cat(lengths) if lengths else pos.bool()
+    doc = torch.where(valid, torch.cat(docs), -1) if docs else pos
+    return doc, valid
+
+
+# --- running the head as output_layer's forward -------------------------------------------
+
+
+def _run_head(
+    head: MegatronHead,
+    model_args: tuple,
+    model_kwargs: dict[str, Any],
+    labels: torch.Tensor,
+    fn: Callable[[Tokens, Head], Any],
+) -> Any:
+    """Run the model; where it calls ``output_layer``, run ``fn(tokens, head)`` instead."""
+    layer = head.model.output_layer
+
+    def in_output_layer(hidden, weight=None, runtime_gather_output=None, **_):
+        error = None
+        try:
+            w = layer.weight if weight is None else weight
+            _check_hidden(head, hidden, w, labels)
+        except ValueError as e:
+            error = e
+        _agree(head, error, "logitless.integrations.megatron")
+        result.append(fn(Tokens(hidden, labels, sequence_first=True), Head(w, layer.bias)))
+        # What GPTModel receives as its logits: it only transposes them; never read.
+        return hidden.new_zeros(hidden.shape[0], hidden.shape[1], 0), None
+
+    def call():
+        return head.outer(*model_args, **model_kwargs)
+
+    for name in ("labels", "runtime_gather_output"):
+        if name in model_kwargs:
+            raise TypeError(f"{name}= is logitless's to set, not a model argument here")
+    result: list[Any] = []
+    seam.run_as_forward(layer, in_output_layer, call, caller="GPTModel.forward")
+    return result[-1]
+
+
+def _check_hidden(head: MegatronHead, hidden, weight, labels) -> None:
+    if hidden.dim() != 3:
+        raise ValueError(
+            f"the decoder's hidden states must be [S, B, H], got {tuple(hidden.shape)}"
+        )
+    s_local, b, h = hidden.shape
+    s = s_local * (head.tp_size if head.parallel.sequence is not None else 1)
+    if (b, s) != tuple(labels.shape):
+        sp = " (sequence_parallel: [S/tp, B, H] on each rank)" if head.parallel.sequence else ""
+        raise ValueError(
+            f"labels must be [batch, seq_length] = [{b}, {s}] to match the decoder's hidden "
+            f"states {list(hidden.shape)}{sp}, got {list(labels.shape)}"
+        )
+    layer = head.model.output_layer
+    if weight.dim() != 2 or tuple(weight.shape) != (layer.output_size_per_partition, h):
+        raise ValueError(
+            f"output_layer's weight must be this tensor-parallel rank's [vocab_size / "
+            f"tensor_model_parallel_size, hidden_size] = [{layer.output_size_per_partition}, "
+            f"{h}] rows (tensor_model_parallel_size={head.tp_size}), got {list(weight.shape)}"
+        )
+
+
+def _masked_labels(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, labels, IGNORE_INDEX)
+
+
+def _model_args(input_ids, position_ids, attention_mask, packed_seq_params, kwargs):
+    return (input_ids, position_ids, attention_mask), {
+        "packed_seq_params": packed_seq_params,
+        **kwargs,
+    }
+
+
+def logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+    with_entropy: bool = False,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+    **model_kwargs: Any,
+) -> LogProbs:
+    """Per-token log-probs (and entropy) of ``labels`` under ``model``: ``[B, S]`` fp32.
+
+    What Megatron's own path gives, without the logits::
+
+        logits = model(input_ids, position_ids, attention_mask, ...)   # [S, B, V/tp] per rank
+        logp = -vocab_parallel_cross_entropy(logits / temperature, labels.T).T  # [B, S]
+
+    with 0 where ``loss_mask`` is 0 and at a packed batch's padding; entropy is that of the
+    (tensor-parallel-gathered) softmax. Arguments as ``GPTModel.forward`` takes them;
+    ``model_kwargs`` go to it unchanged. Gradients reach ``output_layer``'s weight (or the
+    tied embedding) and every decoder parameter.
+    """
+    head = megatron_head(model)
+    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
+    target = _masked_labels(labels, mask)
+    args, kwargs = _model_args(
+        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
+    )
+    options = dict(
+        with_entropy=with_entropy,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        head_dtype=head_dtype,
+    )
+    return _run_head(
+        head,
+        args,
+        kwargs,
+        target,
+        lambda tokens, w: seam.logprobs(tokens, w, head.parallel, **options),
+    )
+
+
+def policy_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    inputs: LossInputs,
+    *,
+    config: PolicyLossConfig | None = None,
+    normalizer: LossNormalizer | None = None,
+    loss_mask: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+    **model_kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The fused policy loss of ``model`` on one micro-batch: ``(loss, metrics)`` of
+    :func:`logitless.fused_policy_loss`, equal to :func:`logitless.policy_loss` on
+    :func:`logprobs`'s output.
+
+    ``inputs``: the per-token loss inputs ``[B, S]`` like the labels (advantages per token, or
+    per sequence with a packed batch's ``document_ids``, which default to the sequences of
+    ``packed_seq_params``). Under context parallelism the per-document statistics are summed
+    over the context-parallel group and the loss is this rank's share.
+    """
+    head = megatron_head(model)
+    mask, doc = token_layout(head, labels, loss_mask, packed_seq_params)
+    if inputs.document_ids is None and doc is not None:
+        inputs = inputs.replace(document_ids=doc)
+    target = _masked_labels(labels, mask)
+    args, kwargs = _model_args(
+        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
+    )
+    options = dict(
+        config=config,
+        normalizer=normalizer,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        head_dtype=head_dtype,
+    )
+    return _run_head(
+        head,
+        args,
+        kwargs,
+        target,
+        lambda tokens, w: seam.policy_loss(tokens, w, inputs, head.parallel, **options),
+    )
+
+
+def divergence(
+    model: nn.Module,
+    teacher: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    beta: float = 0.0,
+    temperature: float | torch.Tensor = 1.0,
+    loss_mask: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+    with_logprobs: bool = False,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    **model_kwargs: Any,
+) -> Divergence:
+    """The per-token divergence from ``teacher`` (a ``GPTModel`` with the same
+    tensor-parallel vocabulary split) to ``model``, ``[B, S]`` fp32 (TRL's ``beta``
+    convention, :func:`logitless.linear_divergence`). The teacher runs first, without
+    gradient, inside its own ``output_layer``'s forward."""
+    head = megatron_head(model)
+    t_head = megatron_head(teacher)
+    if t_head.tp_size != head.tp_size or t_head.cp_size != head.cp_size:
+        raise ValueError(
+            "the teacher must have the student's tensor_model_parallel_size and "
+            f"context_parallel_size, got {t_head.tp_size}/{t_head.cp_size} vs "
+            f"{head.tp_size}/{head.cp_size}"
+        )
+    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
+    target = _masked_labels(labels, mask)
+    args, kwargs = _model_args(
+        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
+    )
+    with torch.no_grad():
+        t_tokens, t_weight = _run_head(t_head, args, kwargs, target, lambda t, w: (t, w))
+    options = dict(
+        beta=beta,
+        temperature=temperature,
+        with_logprobs=with_logprobs,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )
+    return _run_head(
+        head,
+        args,
+        kwargs,
+        target,
+        lambda tokens, w: seam.divergence(tokens, w, t_tokens, t_weight, head.parallel, **options),
+    )
+
+
+# --- Megatron's pipeline schedule ---------------------------------------------------------
+
+
+def step_normalizer(
+    masks: Sequence[torch.Tensor],
+    document_ids: Sequence[torch.Tensor | None] | None = None,
+    *,
+    calculate_per_token_loss: bool = False,
+    data_parallel_group: Any = None,
+    context_parallel_group: Any = None,
+) -> LossNormalizer:
+    """:func:`logitless.loss_normalizer` of one optimizer step, for Megatron's schedule.
+
+    ``masks`` / ``document_ids``: every micro-batch's, from :func:`token_layout`. The groups
+    default to Megatron's ``parallel_state`` (the data-parallel group without context
+    parallelism; the context-parallel group). Megatron's DDP averages gradients over the
+    data- and context-parallel ranks unless ``calculate_per_token_loss``; the normalizer's
+    ``loss_scale`` undoes that average, so each rank's loss is its share of the step's.
+    """
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_group() if data_parallel_group is None else data_parallel_group
+    cp = (
+        ps.get_context_parallel_group()
+        if context_parallel_group is None
+        else context_parallel_group
+    )
+    cp_size = cp.size() if cp is not None else 1
+    scale = 1 if calculate_per_token_loss else dp.size() * cp_size
+    return loss_normalizer(
+        list(masks),
+        None if document_ids is None else list(document_ids),
+        process_group=dp if dp.size() > 1 else None,
+        context_group=cp if cp_size > 1 else None,
+        loss_scale=float(scale),
+    )
+
+
+def policy_loss_step(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    inputs: LossInputs,
+    *,
+    config: PolicyLossConfig | None,
+    normalizer: LossNormalizer,
+    num_microbatches: int,
+    calculate_per_token_loss: bool = False,
+    loss_mask: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+    **options: Any,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+    """What a ``forward_step`` returns: ``(output_tensor, loss_func)``.
+
+    On the last pipeline stage the output is the fused loss of this micro-batch (its gradients
+    are already computed) and ``loss_func(output)`` returns ``(loss, num_tokens, metrics)`` in
+    the shape ``get_forward_backward_func()`` expects; the loss is scaled so that after the
+    schedule's own normalization (a division by ``num_tokens`` and ``num_microbatches``, or,
+    with ``calculate_per_token_loss``, ``finalize_model_grads`` dividing by the step's tokens)
+    the gradients are those of ``normalizer``'s step loss. On other stages it returns the
+    model's output and a ``loss_func`` the schedule never calls.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    inner = model
+    while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module):
+        inner = inner.module
+    if isinstance(inner, GPTModel) and not inner.post_process:
+        out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+        return out, _never_called
+    head = megatron_head(model)
+    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
+    loss, metrics = policy_loss(
+        model,
+        input_ids,
+        position_ids,
+        attention_mask,
+        labels,
+        inputs,
+        config=config,
+        normalizer=normalizer,
+        loss_mask=loss_mask,
+        packed_seq_params=packed_seq_params,
+        **options,
+    )
+    num_tokens = mask.sum().to(torch.int)
+    if calculate_per_token_loss:
+        scale = torch.as_tensor(normalizer.num_tokens, dtype=loss.dtype, device=loss.device)
+    else:
+        scale = num_tokens.clamp(min=1).to(loss.dtype) * num_microbatches
+
+    def loss_func(output: torch.Tensor) -> tuple:
+        return output * scale, num_tokens, metrics
+
+    return loss, loss_func
+
+
+def _never_called(output: torch.Tensor) -> tuple:  # pragma: no cover - not the last stage
+    raise RuntimeError("the loss function runs on the last pipeline stage only")

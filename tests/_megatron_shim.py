@@ -1,0 +1,168 @@
+"""Test-only: megatron-core 0.16 on CPU gloo ranks, and tiny GPTModels to test the head on.
+
+megatron-core hard-codes CUDA in places that do not matter for what these tests check (the
+head); :func:`install` points them at the CPU, in the spawned test ranks only:
+
+- ``torch.cuda.current_device()``: where Megatron allocates its global memory buffer (the
+  attention's scratch) and the output of its sequence-parallel all-gather;
+- the CUDA RNG tracker's ``fork()`` (dropout regions): a tracker whose fork does nothing;
+- ``torch.zeros(..., device="cuda")`` in the pipeline schedules (the token counter).
+
+The library itself needs none of this. Two things of the local (non-Transformer-Engine) layer
+spec are replaced in the model built here: its layer norm refuses ``sequence_parallel`` (TE's
+does not), so a plain ``LayerNorm`` stands in; its attention refuses packed (THD) batches and
+context parallelism (only TE's supports them), so a token-local attention stands in: each
+token mixes its own query, key and value (out = v·sigmoid(q·k)), which is correct under any
+split of the tokens. What is under test is everything after the decoder: the layout of the
+hidden states, the labels, the head and every gradient back into the decoder's parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class _CpuRngTracker:
+    def add(self, *args, **kwargs) -> None:
+        pass
+
+    def fork(self, *args, **kwargs):
+        return contextlib.nullcontext()
+
+    def get_states(self) -> dict:
+        return {}
+
+    def set_states(self, states) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def is_initialized(self) -> bool:
+        return True
+
+
+def _cpu_torch() -> types.ModuleType:
+    """``torch`` as the schedules see it: ``zeros(..., device="cuda")`` lands on the CPU."""
+    proxy = types.ModuleType("torch_on_cpu")
+    proxy.__dict__.update(vars(torch))
+
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, **kwargs)
+
+    proxy.zeros = zeros
+    return proxy
+
+
+def install() -> None:
+    """Point megatron-core's CUDA hard-codings at the CPU (call in each spawned rank)."""
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    schedules.torch = _cpu_torch()
+
+
+def init_parallel(tp: int = 1, cp: int = 1) -> None:
+    """``initialize_model_parallel`` on the gloo world (data-parallel size: the rest)."""
+    install()
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        create_gloo_process_groups=False,
+    )
+
+
+class _Norm(torch.nn.LayerNorm):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+
+
+class _TokenLocalAttention(torch.nn.Module):
+    """out[t] = v[t] · sigmoid(q[t] · k[t]) per head: no token sees another."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):  # fmt: skip
+        gate = torch.sigmoid((query * key).sum(-1, keepdim=True) / query.shape[-1] ** 0.5)
+        out = value * gate  # [s, b, np, hn], or [t, np, hn] for a packed batch
+        if packed_seq_params is not None:
+            return out
+        return out.reshape(*out.shape[:2], -1)
+
+
+def gpt_model(
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    vocab: int = 1000,
+    hidden: int = 32,
+    layers: int = 1,
+    tied: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
+    """A tiny GPTModel, the same full weights on every rank (each rank holds its shards)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    config = TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    layer = get_gpt_layer_local_spec()
+    sub = layer.submodules
+    attention = dataclasses.replace(
+        sub.self_attention,
+        submodules=dataclasses.replace(
+            sub.self_attention.submodules, core_attention=_TokenLocalAttention
+        ),
+    )
+    layer = dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            sub, input_layernorm=_Norm, pre_mlp_layernorm=_Norm, self_attention=attention
+        ),
+    )
+    spec = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_Norm)
+    torch.manual_seed(seed)  # use_cpu_initialization: the master weight, then this rank's part
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=vocab,
+        max_sequence_length=256,
+        parallel_output=True,
+        share_embeddings_and_output_weights=tied,
+    )
+    with torch.no_grad():  # layer norms away from the identity, so their gradients are tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    return model

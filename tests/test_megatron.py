@@ -1,0 +1,335 @@
+"""logitless.integrations.megatron against the real megatron-core (0.16) on gloo ranks.
+
+Each case builds one tiny GPTModel per rank (tests/_megatron_shim.py) and runs, on the same
+weights and the same batch:
+
+- ours: ``megatron.logprobs`` / ``megatron.policy_loss`` (the head inside ``output_layer``'s
+  forward, never the logits);
+- Megatron's own path (the reference): ``model(...)`` gives the ``[B, S, V/tp]`` logits, then
+  ``vocab_parallel_cross_entropy`` and the entropy of the tensor-parallel-gathered logits;
+- the truth: Megatron's path on a float64 copy of the model.
+
+Log-probs, entropy and every parameter's gradient (the weight shard, every decoder parameter
+through the hidden states) under random upstream gradients must be within the tolerance
+derived from the reference's own error (tests/_tolerance.py); the fused loss is held to the
+composed ``policy_loss`` on each path's log-probs the same way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[megatron]'")
+
+from _dist import spawn  # noqa: E402
+from _tolerance import FLOOR, assert_no_worse_than_reference  # noqa: E402
+
+import logitless  # noqa: E402
+from logitless.parallel import context_parallel_split  # noqa: E402
+
+V = 1000
+CONFIG = logitless.PolicyLossConfig(clip_high=0.28, aggregation="seq_mean_token_mean")
+
+
+# --- batches ------------------------------------------------------------------------------
+
+
+def _dense_batch(seed: int = 1, b: int = 2, s: int = 16) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (b, s), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=ids.dtype)], 1)
+    mask = torch.ones(b, s)
+    mask[:, -1] = 0
+    mask[0, :3] = 0  # a prompt
+    return dict(
+        input_ids=ids,
+        position_ids=torch.arange(s).expand(b, s),
+        labels=labels,
+        loss_mask=mask,
+        packed_seq_params=None,
+        up=torch.randn(2, b, s, generator=g),
+        advantages=torch.randn(b, s, generator=g),
+        document_ids=torch.arange(b)[:, None].expand(b, s),
+    )
+
+
+def _packed_batch(cp: int, cp_rank: int, multiple: int, seed: int = 2) -> dict:
+    """Three documents packed THD, each padded to ``multiple`` and split zigzag over cp."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 13, 4]
+    padded = [-(-n // multiple) * multiple for n in lengths]
+    pieces = {k: [] for k in ("input_ids", "position_ids", "labels", "loss_mask", "up", "doc")}
+    for d, (n, n_pad) in enumerate(zip(lengths, padded, strict=True)):
+        ids = torch.randint(0, V, (n_pad,), generator=g)
+        labels = torch.cat([ids[1:], ids.new_zeros(1)])
+        mask = (torch.arange(n_pad) < n - 1).float()  # the last token and padding: no target
+        mask[:2] = 0  # a prompt
+        full = dict(
+            input_ids=ids,
+            position_ids=torch.arange(n_pad),
+            labels=labels,
+            loss_mask=mask,
+            up=torch.randn(2, n_pad, generator=g),
+            doc=torch.where(torch.arange(n_pad) < n, d, -1),
+        )
+        for k, t in full.items():
+            dim = 1 if k == "up" else 0
+            pieces[k].append(context_parallel_split(t, cp_rank, cp, layout="zigzag", dim=dim)
+                             if cp > 1 else t)  # fmt: skip
+    batch = {k: torch.cat(v, 1 if k == "up" else 0) for k, v in pieces.items()}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_pad = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+    )
+    return dict(
+        input_ids=batch["input_ids"][None],
+        position_ids=batch["position_ids"][None],
+        labels=batch["labels"][None],
+        loss_mask=batch["loss_mask"][None],
+        packed_seq_params=params,
+        up=batch["up"][:, None],
+        advantages=torch.randn(len(lengths), generator=g),
+        document_ids=batch["doc"][None],
+    )
+
+
+# --- the three paths ----------------------------------------------------------------------
+
+
+def _model_inputs(batch: dict) -> tuple:
+    return batch["input_ids"], batch["position_ids"], None
+
+
+def _capture_hidden(model, store: list):
+    """A forward pre-hook on output_layer: the hidden states it gets, and their gradient."""
+
+    def hook(module, args):
+        hidden = args[0]
+        store.append(hidden)
+        if hidden.requires_grad:
+            hidden.register_hook(lambda g: store.append(g))
+
+    return model.output_layer.register_forward_pre_hook(hook)
+
+
+def _megatron_path(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's own log-probs and entropy: [B, S] from the logits."""
+    from megatron.core.tensor_parallel import (
+        gather_from_tensor_model_parallel_region,
+        vocab_parallel_cross_entropy,
+    )
+
+    logits = model(*_model_inputs(batch), packed_seq_params=batch["packed_seq_params"])
+    logits = logits.transpose(0, 1).contiguous()  # [S, B, V/tp] (a copy: the loss writes it)
+    labels = batch["labels"].transpose(0, 1).contiguous()
+    logp = -vocab_parallel_cross_entropy(logits.clone(), labels).transpose(0, 1)
+    full = gather_from_tensor_model_parallel_region(logits)
+    ent = -(full.softmax(-1) * full.log_softmax(-1)).sum(-1).transpose(0, 1)
+    mask = _mask(batch)
+    return torch.where(mask, logp, 0.0), torch.where(mask, ent, 0.0)
+
+
+def _mask(batch: dict) -> torch.Tensor:
+    return (batch["loss_mask"] != 0) & (batch["document_ids"] >= 0)
+
+
+def _param_floor(batch: dict) -> float:
+    """A parameter's gradient sums every token's backward of its hidden-state gradient: one
+    sample of the reference's rounding can cancel in that sum, so its floor is the fp32
+    summation bound tokens * eps (as tests/test_hf.py holds the HF backbones' gradients); the
+    hidden-state gradient itself is held to the one-ulp floor."""
+    return batch["labels"].numel() * FLOOR
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _float64_copy(model, build):
+    truth = build(dtype=torch.float64)
+    with torch.no_grad():
+        for p64, p in zip(truth.parameters(), model.parameters(), strict=True):
+            p64.copy_(p)
+    return truth
+
+
+def _loss_inputs(batch: dict, logp: torch.Tensor):
+    from logitless.integrations.seam import LossInputs
+
+    g = torch.Generator().manual_seed(7)
+    old = logp.detach() + 0.1 * torch.randn(logp.shape, generator=g)
+    return LossInputs(
+        old_logprobs=old.float(),
+        advantages=batch["advantages"],
+        mask=_mask(batch),
+        document_ids=batch["document_ids"],
+    )
+
+
+def _composed(logp, inputs, cp_group):
+    loss, _ = logitless.policy_loss(
+        logp, inputs.old_logprobs.to(logp.dtype), inputs.advantages.to(logp.dtype),
+        inputs.mask, config=CONFIG, document_ids=inputs.document_ids, context_group=cp_group,
+    )  # fmt: skip
+    return loss
+
+
+def _setup(tp: int, cp: int, sp: bool, tied: bool = False, seed: int = 0):
+    """Megatron's groups for this case, the model, a float64 copy and the model builder."""
+    from _megatron_shim import gpt_model, init_parallel
+
+    init_parallel(tp, cp)
+
+    def build(dtype=torch.float32, seed=seed):
+        return gpt_model(
+            tp=tp, cp=cp, sequence_parallel=sp, vocab=V, tied=tied, dtype=dtype, seed=seed
+        )
+
+    model = build()
+    return model, _float64_copy(model, build), build
+
+
+def _batch(tp: int, cp: int, sp: bool, packed: bool, seed: int = 1) -> dict:
+    from megatron.core import parallel_state as ps
+
+    if packed:
+        rank = ps.get_context_parallel_rank()
+        return _packed_batch(cp, rank, 2 * cp * (tp if sp else 1), seed=seed)
+    return _dense_batch(seed=seed)
+
+
+def _head_case(rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool) -> None:
+    from megatron.core import parallel_state as ps
+
+    from logitless.integrations import megatron
+
+    model, truth, _ = _setup(tp, cp, sp, tied)
+    cp_group = ps.get_context_parallel_group() if cp > 1 else None
+    batch = _batch(tp, cp, sp, packed)
+    up = batch["up"]
+
+    # ours; the pre-hook on output_layer fires once, with the hidden states
+    seen: list = []
+    handle = _capture_hidden(model, seen)
+    out = megatron.logprobs(
+        model, *_model_inputs(batch), batch["labels"], loss_mask=batch["loss_mask"],
+        packed_seq_params=batch["packed_seq_params"], with_entropy=True,
+    )  # fmt: skip
+    assert len(seen) == 1, "output_layer's forward pre-hook must fire once, before the head"
+    (out.logprobs * up[0] + out.entropy * up[1]).sum().backward()
+    ours = dict(logp=out.logprobs, ent=out.entropy, dh=seen[1], **_grads(model))
+
+    seen.clear()
+    logp, ent = _megatron_path(model, batch)
+    (logp * up[0] + ent * up[1]).sum().backward()
+    ref = dict(logp=logp, ent=ent, dh=seen[1], **_grads(model))
+    handle.remove()
+
+    seen.clear()
+    _capture_hidden(truth, seen)
+    logp64, ent64 = _megatron_path(truth, batch)
+    (logp64 * up[0] + ent64 * up[1]).sum().backward()
+    exact = dict(logp=logp64, ent=ent64, dh=seen[1], **_grads(truth))
+
+    assert set(ours) == set(ref) == set(exact), (set(ours) ^ set(ref), set(ref) ^ set(exact))
+    floor = _param_floor(batch)
+    for name in ref:
+        f = floor if name not in ("logp", "ent", "dh") else FLOOR
+        assert_no_worse_than_reference(
+            ours[name], ref[name], exact[name], f"rank {rank}: {name}", floor=f
+        )
+
+    # the fused loss equals the composed loss (and its gradients)
+    inputs = _loss_inputs(batch, logp)
+    loss, _ = megatron.policy_loss(
+        model, *_model_inputs(batch), batch["labels"], inputs, config=CONFIG,
+        loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"],
+    )  # fmt: skip
+    loss.backward()
+    fused = dict(loss=loss.detach(), **_grads(model))
+    composed = _composed(_megatron_path(model, batch)[0], inputs, cp_group)
+    composed.backward()
+    composed = dict(loss=composed.detach(), **_grads(model))
+    composed64 = _composed(_megatron_path(truth, batch)[0], inputs, cp_group)
+    composed64.backward()
+    composed64 = dict(loss=composed64.detach(), **_grads(truth))
+    assert set(fused) == set(composed)
+    for name in composed:
+        assert_no_worse_than_reference(
+            fused[name], composed[name], composed64[name], f"rank {rank}: fused {name}",
+            floor=FLOOR if name == "loss" else floor,
+        )  # fmt: skip
+
+
+def _run_checks(rank: int, world: int, checks: list[tuple[str, tuple]]) -> dict[str, str | None]:
+    """Run each check on this rank; its failure as text (None: passed), so one spawn serves
+    several tests and a failing check does not hide the others' results."""
+    import traceback
+
+    import _megatron_shim  # noqa: F401  (the warning filters, before megatron's imports)
+
+    results: dict[str, str | None] = {}
+    for name, args in checks:
+        try:
+            CHECKS[name.split(":")[0]](rank, *args)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported by the test of this check
+            results[name] = f"rank {rank}: {traceback.format_exc()}"
+    return results
+
+
+HEAD_CASES = {  # tp, cp, sequence_parallel, tied, packed
+    "tp2": (2, 1, False, False, False),
+    "tp2_sp_tied": (2, 1, True, True, False),
+    "tp2_sp_packed": (2, 1, True, False, True),
+    "cp2_packed": (1, 2, False, False, True),
+    "tp2_cp2_sp_packed": (2, 2, True, False, True),
+}
+CHECKS: dict = {"head": _head_case}
+
+
+def _checks_of(world: int) -> list[tuple[str, tuple]]:
+    heads = [(f"head:{k}", v) for k, v in HEAD_CASES.items() if v[0] * v[1] == world]
+    return heads + [(k, ()) for k in EXTRA_CHECKS.get(world, ())]
+
+
+EXTRA_CHECKS: dict[int, tuple[str, ...]] = {2: ()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return spawn(_run_checks, 2, _checks_of(2))
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return spawn(_run_checks, 4, _checks_of(4))
+
+
+def _passed(results: list[dict], name: str) -> None:
+    failures = [r[name] for r in results if r[name] is not None]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", [k for k, v in HEAD_CASES.items() if v[0] * v[1] == 2])
+def test_head_matches_megatron_and_float64(two_ranks, case):
+    """Log-probs, entropy and every gradient vs Megatron's logits path and float64; the fused
+    loss vs the composed loss; output_layer's pre-hook fires."""
+    _passed(two_ranks, f"head:{case}")
+
+
+def test_head_tensor_and_context_parallel(four_ranks):
+    """TP=2 x CP=2 with sequence parallelism and packed documents split zigzag (4 ranks)."""
+    _passed(four_ranks, "head:tp2_cp2_sp_packed")
