@@ -58,22 +58,37 @@ def truth_divergence(lp_s, lp_t, beta):
     return beta * kl(lp_t, log_m) + (1 - beta) * kl(lp_s, log_m)
 
 
-def truth_topk(lp_s, ids, lps, counts):
-    """Forward KL over each row's ids plus the tail bucket (rows of ``lp_s`` ``[N, V]``; the
-    CSR teacher as per-row lists)."""
+def bucket_divergence(q, r, beta):
+    """TRL's divergence between two probability vectors (0·log 0 = 0): the student's ``q``
+    and the teacher's ``r`` over a row's buckets."""
+
+    def kl_(a, b):
+        has = a > 0
+        return (a[has] * (a[has].log() - b[has].log())).sum()
+
+    if beta == 0:
+        return kl_(r, q)
+    if beta == 1:
+        return kl_(q, r)
+    m = (1 - beta) * q + beta * r
+    return beta * kl_(r, m) + (1 - beta) * kl_(q, m)
+
+
+def truth_topk(lp_s, ids, lps, counts, beta=0.0):
+    """The divergence over each row's ids plus the tail bucket (rows of ``lp_s`` ``[N, V]``;
+    the CSR teacher as per-row lists): the student's buckets are its probabilities at the ids
+    and its mass outside them, the teacher's its probabilities and ``1 - Σ`` of them."""
     out = []
     for i in range(lp_s.shape[0]):
         k = ids[i]
-        lp_t = lps[i].double()
+        p_t = lps[i].double().exp()
         p_s = lp_s[i].exp()
         outside = torch.ones_like(p_s, dtype=torch.bool)
         outside[k] = False
-        tail_t = (1 - lp_t.exp().sum()).clamp(min=0)
-        tail_s = p_s[outside].sum()
-        d = (lp_t.exp() * (lp_t - lp_s[i][k])).sum()
-        if counts[i] < lp_s.shape[1] and tail_t > 0:
-            d = d + tail_t * (tail_t.log() - tail_s.log())
-        out.append(d)
+        tail_t = (1 - p_t.sum()).clamp(min=0) if counts[i] < lp_s.shape[1] else p_t.new_zeros(())
+        q = torch.cat([p_s[k], p_s[outside].sum()[None]])
+        r = torch.cat([p_t, tail_t[None]])
+        out.append(bucket_divergence(q, r, beta))
     return torch.stack(out) if out else lp_s.new_zeros(0)
 
 
@@ -149,6 +164,18 @@ CASES = [
     Case(topk=5, ignore="all"),
     Case(topk=3, V=301, pad_s=33),
     Case(topk=8, dtype="bf16", shape=(29,), V=389),
+    # ... for every beta: the reverse KL and the generalized JSD over the K+1 buckets
+    Case(topk=6, beta=1.0),
+    Case(topk=6, beta=0.5),
+    Case(topk=20, beta=1.0, extras=True, chunk=7, small_tiles=True, temperature="scalar"),
+    Case(topk=20, beta=0.3, extras=True, chunk=7, small_tiles=True, temperature="tensor"),
+    Case(topk=4, beta=0.8, bias=True, softcap=3.0, scale=1.4, shape=(3, 17), chunk=5),
+    Case(topk=9, beta=1.0, close=True, temperature="tensor", small_tiles=True),
+    Case(topk=9, beta=0.1, close=True, extras=True),
+    Case(topk=5, beta=0.6, ignore="all"),
+    Case(topk=3, beta=1.0, V=301, pad_s=33, bias=True),
+    Case(topk=8, beta=1.0, dtype="bf16", shape=(29,), V=389, extras=True),
+    Case(topk=8, beta=0.5, dtype="bf16", shape=(29,), V=389, softcap=3.0),
 ]
 
 
@@ -281,7 +308,7 @@ def run_truth(case: Case, d: dict) -> dict:
     bias = None if b is None else b[:V]
     lp_s = truth_logprobs(h, w[:V], bias, case.scale, case.softcap, d["temperature"])
     if case.topk is not None:
-        flat = truth_topk(lp_s.reshape(-1, V), d["ids"], d["lps"], d["counts"])
+        flat = truth_topk(lp_s.reshape(-1, V), d["ids"], d["lps"], d["counts"], case.beta)
         div = flat.reshape(case.shape)
     else:
         tb = None if d["t_bias"] is None else d["t_bias"].double()[:V]
@@ -406,27 +433,37 @@ def test_gradcheck_float64(beta):
     assert torch.autograd.gradcheck(f, (hidden, weight, bias), fast_mode=True)
 
 
-def test_gradcheck_topk_float64():
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_gradcheck_topk_float64(beta):
     hidden, weight, t_hidden, t_weight, labels = _small()
+    bias = torch.randn(weight.shape[0], dtype=torch.float64, requires_grad=True)
     lp_t = torch.log_softmax(t_hidden @ t_weight.t(), -1)
+    counts = torch.tensor([5, 0, 5, 3, 5, 1, 5, 5, 4])  # an all-tail row, short rows
+    keep = torch.arange(5)[None] < counts[:, None]
     top = lp_t.topk(5)
-    topk = TeacherTopK(top.indices.reshape(-1), top.values.reshape(-1), torch.arange(10) * 5)
+    topk = TeacherTopK(top.indices[keep], top.values[keep], torch.cat([counts.new_zeros(1),
+                       counts.cumsum(0)]))  # fmt: skip
 
-    def f(h, w):
-        return logitless.linear_divergence(h, w, labels, teacher_topk=topk, chunk_size=4).divergence
+    def f(h, w, b):
+        out = logitless.linear_divergence(
+            h, w, labels, teacher_topk=topk, bias=b, beta=beta, softcap=2.5, temperature=0.8,
+            with_logprobs=True, with_entropy=True, chunk_size=4,
+        )  # fmt: skip
+        return out.divergence, out.logprobs, out.entropy
 
-    assert torch.autograd.gradcheck(f, (hidden, weight), fast_mode=True)
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias), fast_mode=True)
 
 
-def test_topk_of_the_whole_vocabulary_is_the_dense_forward_kl():
-    """Every id given (no tail): the sparse path computes the dense forward KL."""
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_topk_of_the_whole_vocabulary_is_the_dense_divergence(beta):
+    """Every id given (no tail): the sparse path computes the dense divergence."""
     hidden, weight, t_hidden, t_weight, labels = _small(dtype=torch.float32)
     v = weight.shape[0]
     lp_t = torch.log_softmax(t_hidden @ t_weight.t(), -1)
     perm = torch.stack([torch.randperm(v) for _ in range(labels.numel())])
     topk = TeacherTopK(perm.reshape(-1), lp_t.gather(1, perm).reshape(-1), torch.arange(10) * v)
-    sparse = logitless.linear_divergence(hidden, weight, labels, teacher_topk=topk)
-    dense = logitless.linear_divergence(hidden, weight, labels, t_hidden, t_weight)
+    sparse = logitless.linear_divergence(hidden, weight, labels, teacher_topk=topk, beta=beta)
+    dense = logitless.linear_divergence(hidden, weight, labels, t_hidden, t_weight, beta=beta)
     torch.testing.assert_close(sparse.divergence, dense.divergence, atol=2e-6, rtol=1e-5)
     g_sparse = torch.autograd.grad(sparse.divergence.sum(), (hidden, weight))
     g_dense = torch.autograd.grad(dense.divergence.sum(), (hidden, weight))
@@ -468,6 +505,42 @@ def test_hand_worked_values():
     out = logitless.linear_divergence(hidden, weight, labels, teacher_topk=one)
     value = 0.4 * math.log(0.4 / 0.25) + 0.6 * math.log(0.6 / 0.75)
     assert float(out.divergence) == pytest.approx(value, rel=1e-12)
+    # the same buckets (teacher 0.4 | 0.6, student 0.25 | 0.75), reverse KL and the JSD
+    out = logitless.linear_divergence(hidden, weight, labels, teacher_topk=one, beta=1.0)
+    value = 0.25 * math.log(0.25 / 0.4) + 0.75 * math.log(0.75 / 0.6)
+    assert float(out.divergence) == pytest.approx(value, rel=1e-12)
+    out = logitless.linear_divergence(hidden, weight, labels, teacher_topk=one, beta=0.5)
+    m = (0.325, 0.675)
+    value = 0.5 * (0.4 * math.log(0.4 / m[0]) + 0.6 * math.log(0.6 / m[1])) + 0.5 * (
+        0.25 * math.log(0.25 / m[0]) + 0.75 * math.log(0.75 / m[1])
+    )
+    assert float(out.divergence) == pytest.approx(value, rel=1e-12)
+    for beta in (0.0, 0.5, 1.0):  # an empty row is all tail, for every beta
+        out = logitless.linear_divergence(hidden, weight, labels, teacher_topk=empty, beta=beta)
+        assert float(out.divergence) == 0.0
+
+
+def test_reverse_kl_refuses_a_teacher_without_tail_only_where_it_is_used():
+    """Beta 1 where the teacher's top-k mass is 1 but its ids miss part of the vocabulary:
+    KL(student‖teacher) is infinite there, a ValueError naming the position; the JSD stays
+    finite; an ignored position is not looked at."""
+    hidden, weight, _, _, labels = _small(dtype=torch.float32)
+    n = labels.numel()
+    counts = torch.zeros(n, dtype=torch.long)
+    counts[[2, 4]] = 2  # position 2 is ignored
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    half = torch.full((4,), math.log(0.5))
+    full = TeacherTopK(torch.tensor([1, 2, 3, 4]), half, offsets)
+    with pytest.raises(ValueError, match="beta=1: KL.* infinite at position 4"):
+        logitless.linear_divergence(hidden, weight, labels, teacher_topk=full, beta=1.0)
+    jsd = logitless.linear_divergence(hidden, weight, labels, teacher_topk=full, beta=0.9)
+    assert bool(torch.isfinite(jsd.divergence).all())
+    (g,) = torch.autograd.grad(jsd.divergence.sum(), hidden)
+    assert bool(torch.isfinite(g).all())
+    # position 2 (ignored) keeps its empty tail; position 4 gets a tail of 1 - 2/e
+    ignored_only = full._replace(logprobs=torch.tensor([math.log(0.5)] * 2 + [-1.0] * 2))
+    out = logitless.linear_divergence(hidden, weight, labels, teacher_topk=ignored_only, beta=1.0)
+    assert bool(torch.isfinite(out.divergence).all())
 
 
 def test_chunk_size_changes_nothing_beyond_rounding(small_tiles):
@@ -554,7 +627,6 @@ def _bad_cases():
         "teacher dtype": (base | {"teacher_hidden": t_hidden.double()}, "must share a dtype"),
         "label range": (base | {"labels": labels.clone().fill_(v)}, "labels must be in"),
         "teacher softcap": (base | {"teacher_softcap": -1.0}, "teacher_softcap must be"),
-        "topk beta": (sparse | {"beta": 0.5}, "beta=0 only"),
         "topk type": (sparse | {"teacher_topk": (1, 2, 3)}, "TeacherTopK"),
         "topk offsets": (
             sparse | {"teacher_topk": topk._replace(offsets=topk.offsets[:5])},

@@ -34,6 +34,8 @@ CASES = {
     "all ignored": Case(beta=0.7, ignore="all"),
     "top-k tail": Case(topk=6, extras=True),
     "top-k small tiles chunk": Case(topk=4, chunk=5, temperature="scalar", small_tiles=True),
+    "top-k reverse kl": Case(topk=6, beta=1.0, extras=True, chunk=7),
+    "top-k jsd small tiles": Case(topk=5, beta=0.4, temperature="tensor", small_tiles=True),
     "bf16 jsd": Case(beta=0.6, dtype="bf16", shape=(29,), V=389, t_bias=True),
 }
 

@@ -103,7 +103,7 @@ def linear_divergence(
         beta 0: Σ p_t (lp_t - lp_s)    beta 1: Σ p_s (lp_s - lp_t)
         else:   β·KL(p_t‖m) + (1-β)·KL(p_s‖m),   m = (1-β)·p_s + β·p_t
 
-    With ``teacher_topk`` the forward KL over the teacher's ids plus the tail bucket. Same
+    With ``teacher_topk`` the same divergence over the teacher's ids plus the tail bucket. Same
     checks as the op; ``chunk_size`` is accepted and ignored.
     """
     given = locals()

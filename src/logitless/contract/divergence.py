@@ -42,10 +42,11 @@ class TeacherTopK(NamedTuple):
     offsets: ``[N + 1]`` integer CSR row pointers over the ``N = labels.numel()`` label
         positions (row-major): position ``i`` holds entries ``offsets[i]:offsets[i + 1]``.
 
-    The divergence of a position is the forward KL between the two distributions over its ids
-    plus one tail bucket: the teacher's mass outside them, ``1 - Σ exp(logprobs)``, against the
-    student's mass outside them. A position with no entry is all tail (divergence 0); one whose
-    ids cover the whole vocabulary has no tail.
+    The divergence of a position (any ``beta``: forward KL, reverse KL, generalized JSD) is
+    taken between the two distributions over its ids plus one tail bucket: the teacher's mass
+    outside them, ``1 - Σ exp(logprobs)``, against the student's mass outside them. A position
+    with no entry is all tail (divergence 0); one whose ids cover the whole vocabulary has no
+    tail.
 
     Example:
         >>> import torch
@@ -195,7 +196,10 @@ def check_divergence_call(
     else:
 
         def check_topk() -> TopKRows:
-            return _check_topk(teacher_topk, student)
+            rows = _check_topk(teacher_topk, student)
+            if div.beta == 1.0:
+                _check_reverse_tail(rows, student)
+            return rows
 
         topk = _agreed(check_topk, vp, labels)
     return DivergenceCall(student, teacher_call, topk, float(div.beta), div.with_logprobs)
@@ -226,7 +230,7 @@ def _check_divergence_rules(
     weight, bias, teacher, teacher_topk, options: HeadOptions, div
 ) -> int | None:
     """Which teacher, frozen teacher tensors, the backend (Triton: a dense teacher without
-    vocab parallelism), top-k only with ``beta=0``;
+    vocab parallelism);
     returns the common vocabulary (rows of each head used; None: the heads as given)."""
     if options.backend == "triton" and (teacher_topk is not None or options.vocab_parallel):
         what = "teacher_topk (a sparse teacher)" if teacher_topk is not None else "vocab_parallel"
@@ -237,12 +241,6 @@ def _check_divergence_rules(
     if options.capturable:
         raise ValueError("linear_divergence has no capturable mode yet")
     _check_teacher_given(teacher, teacher_topk)
-    if teacher_topk is not None and div.beta != 0:
-        raise ValueError(
-            f"teacher_topk supports beta=0 only (forward KL(teacher||student) over the top-k ids "
-            f"plus the tail bucket), got beta={div.beta}; pass the teacher's hidden states and "
-            "head for reverse KL or the JSD"
-        )
     if teacher_topk is not None and (div.teacher_softcap or div.teacher_logit_scale):
         raise ValueError(
             "teacher_softcap / teacher_logit_scale describe a teacher head; with teacher_topk "
@@ -367,6 +365,24 @@ def _check_topk(topk: TeacherTopK, student: HeadCall) -> TopKRows:
     ids, offsets = ids.long(), offsets.long()
     check_csr_ids(ids, offsets, vocab, "teacher_topk")
     return _padded_topk(ids, lps.to(student.compute_dtype), offsets, vocab)
+
+
+def _check_reverse_tail(rows: TopKRows, student: HeadCall) -> None:
+    """Beta 1: KL(student‖teacher) over the buckets is infinite at a position whose teacher
+    leaves no mass outside its ids (its top-k mass rounds to 1) while the ids miss part of the
+    vocabulary, where the student has mass. One host read, on this path only."""
+    vp = student.vocab_parallel
+    vocab = student.weight.shape[0] if vp is None else vp.vocab_size
+    valid = student.labels.reshape(-1) != student.ignore_index
+    bad = valid & (rows.log_tail == -math.inf) & (rows.used.sum(1) < vocab)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"teacher_topk with beta=1: KL(student||teacher) is infinite at position {i}, whose "
+            f"teacher probabilities sum to 1 (an empty tail bucket) over {int(rows.used[i].sum())}"
+            f" of {vocab} ids, while the student has mass outside them; use beta < 1 (the JSD "
+            "stays finite) or log-probs whose mass leaves a tail"
+        )
 
 
 def _padded_topk(ids, lps, offsets, vocab: int) -> TopKRows:

@@ -64,5 +64,5 @@ def run_rows(rows: DivRows, opts: DivOptions) -> DivStats:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked):
         out = LinearDivergenceFunction.apply(s.hidden, s.weight, s.bias, rows, opts)
         ent = out[2] if len(out) == 3 else None
-        return DivStats(out[0], out[1], ent, *(None,) * 5)
+        return DivStats(out[0], out[1], ent, *(None,) * (len(DivStats._fields) - 3))
     return _implementation(opts).forward_rows(rows, opts)

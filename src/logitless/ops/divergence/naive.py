@@ -25,18 +25,35 @@ def generalized_jsd(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float) -> torc
     return beta * kl_t + (1.0 - beta) * kl_s
 
 
-def topk_forward_kl(lp_s: torch.Tensor, topk: TopKRows) -> torch.Tensor:
-    """``[N]`` forward KL over each row's top-k ids plus the tail bucket; the student's tail
-    is a log-sum-exp over the columns outside the ids."""
+def _bucket_kl(lp_a: torch.Tensor, lp_b: torch.Tensor) -> torch.Tensor:
+    """``[N]`` KL(a‖b) of bucket log-probs ``[N, B]`` with 0·log 0 = 0: an empty bucket
+    (``-inf``) adds nothing, and neither its value nor its gradient is a NaN."""
+    has = lp_a > -math.inf
+    a = torch.where(has, lp_a, 0.0)
+    b = torch.where(has, lp_b, 0.0)
+    return torch.where(has, a.exp() * (a - b), 0.0).sum(-1)
+
+
+def topk_divergence(lp_s: torch.Tensor, topk: TopKRows, beta: float) -> torch.Tensor:
+    """``[N]`` TRL's divergence over each row's top-k ids plus one tail bucket (the teacher's
+    mass outside the ids against the student's); the student's tail is a log-sum-exp over the
+    columns outside the ids."""
     col = topk.ids.clamp(min=0)
-    lp_k = lp_s.gather(1, col)  # [N, K]
-    p_t = torch.where(topk.used, topk.logprobs.exp(), 0.0)
-    head = (p_t * (topk.logprobs - lp_k)).sum(1)
     kept = torch.zeros_like(lp_s).scatter_add_(1, col, topk.used.to(lp_s.dtype)) > 0
     log_tail_s = lp_s.masked_fill(kept, -math.inf).logsumexp(1)
-    has_tail = topk.log_tail > -math.inf
-    tail = torch.where(has_tail, topk.log_tail.exp() * (topk.log_tail - log_tail_s), 0.0)
-    return head + tail
+    lq = torch.cat([lp_s.gather(1, col).masked_fill(~topk.used, -math.inf), log_tail_s[:, None]], 1)
+    lr = torch.cat([topk.logprobs.masked_fill(~topk.used, -math.inf), topk.log_tail[:, None]], 1)
+    if beta == 0.0:
+        return _bucket_kl(lr, lq)
+    if beta == 1.0:
+        return _bucket_kl(lq, lr)
+    # the mixture of two empty buckets is empty: -inf, held away from logaddexp's NaN gradient
+    both = (lq > -math.inf) | (lr > -math.inf)
+    mixed = torch.logaddexp(
+        torch.where(both, lq, 0.0) + math.log1p(-beta), torch.where(both, lr, 0.0) + math.log(beta)
+    )
+    log_m = torch.where(both, mixed, -math.inf)
+    return beta * _bucket_kl(lr, log_m) + (1.0 - beta) * _bucket_kl(lq, log_m)
 
 
 def naive_divergence(call: DivergenceCall) -> Divergence:
@@ -45,7 +62,7 @@ def naive_divergence(call: DivergenceCall) -> Divergence:
     z_s = full_logits(student)  # [N, V]
     lp_s = torch.log_softmax(z_s, dim=-1)
     if call.topk is not None:
-        div = topk_forward_kl(lp_s, call.topk)
+        div = topk_divergence(lp_s, call.topk, call.beta)
     else:
         with torch.no_grad():
             z_t = full_logits(call.teacher).to(lp_s.dtype)

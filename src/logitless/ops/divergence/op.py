@@ -82,8 +82,10 @@ def linear_divergence(
             width may differ). teacher_weight: ``[V_t, H_t]``; teacher_bias: ``[V_t]``.
         teacher_topk: a :class:`~logitless.TeacherTopK` (CSR top-k log-probs of the teacher,
             one row per label position) instead of the teacher's hidden states and head: the
-            forward KL over those ids plus one tail bucket (the teacher's remaining mass
-            against the student's mass outside the ids). ``beta=0`` only.
+            divergence of ``beta`` between two distributions over those ids plus one tail
+            bucket (the teacher's remaining mass against the student's mass outside the ids).
+            At ``beta=1`` a used position whose teacher mass is 1 over ids that miss part of
+            the vocabulary raises ``ValueError`` (the reverse KL is infinite there).
         beta: 0 (forward KL), 1 (reverse KL) or in between (generalized JSD), as above.
         temperature: a float, or a per-token tensor broadcastable to ``labels``; divides both
             heads' logits.

@@ -69,8 +69,9 @@ class DivStats(NamedTuple):
     """Forward results per row ``[M]`` (compute dtype): divergence, log-prob, entropy (or
     None); each head's log-sum-exp as its two parts, the max ``m`` and ``log Σ exp(z - m)``
     (``log p = (z - m) - log Σ``: rounding ``m + log Σ`` first would cost the likely tokens'
-    log-probs ~6x their accuracy); and ``aux``: KL(p_s‖p_t) (reverse), KL(p_s‖m) (JSD) or the
-    log of the student's tail (top-k), else None."""
+    log-probs ~6x their accuracy); ``aux``: KL(p_s‖p_t) (reverse), KL(p_s‖m) (JSD), the same
+    over the top-k buckets (a sparse teacher, beta > 0), else None; ``tail``: the log of the
+    student's mass outside the sparse teacher's ids (None with a dense teacher)."""
 
     divergence: torch.Tensor
     logp: torch.Tensor
@@ -80,6 +81,7 @@ class DivStats(NamedTuple):
     teacher_max: torch.Tensor | None
     teacher_log_sum: torch.Tensor | None
     aux: torch.Tensor | None
+    tail: torch.Tensor | None
 
 
 def _log_softmax_(z: torch.Tensor, m: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
@@ -227,9 +229,14 @@ def _forward_rows(rows: DivRows, opts: DivOptions) -> DivStats:
             if v is not None:
                 out[k][c.r0 : c.r0 + v.shape[0]] = v
     has_teacher = rows.teacher is not None
-    keep = {"entropy": opts.student.with_entropy, "aux": opts.mode != "forward"}
+    keep = {"entropy": opts.student.with_entropy, "aux": _has_aux(opts), "tail": not has_teacher}
     keep |= {"teacher_max": has_teacher, "teacher_log_sum": has_teacher}
     return DivStats(*(out[k] if keep.get(k, True) else None for k in names))
+
+
+def _has_aux(opts: DivOptions) -> bool:
+    """Whether backward needs a KL beside the divergence (every mode but the forward KL)."""
+    return opts.mode in ("reverse", "jsd") or (opts.mode == "topk" and opts.beta != 0.0)
 
 
 def _forward_chunk(rows: DivRows, opts: DivOptions, c: _Chunk, tiles: _Tiles) -> dict:
@@ -313,9 +320,9 @@ def _finish(rows, opts: DivOptions, c: _Chunk, tiles, st, te, zy, picked) -> dic
     elif opts.mode == "reverse":
         res["divergence"] = res["aux"] = st.sums["c"] / st.sums["s"] - gap
     elif opts.mode == "topk":
-        res["aux"] = log_tail = st.sums["t"].log() - log_s
+        res["tail"] = log_tail = st.sums["t"].log() - log_s
         lp_picked = (picked - st.m[:, None]) - log_s[:, None]
-        res["divergence"] = sparse.divergence(lp_picked, log_tail, c.topk)
+        res["divergence"], res["aux"] = sparse.divergence(lp_picked, log_tail, c.topk, opts.beta)
     else:
         kl_s, kl_t = _jsd_pass(rows, opts, c, tiles, res)
         res["aux"] = kl_s
@@ -356,13 +363,19 @@ def _jsd_pass(rows, opts: DivOptions, c: _Chunk, tiles, norms: dict):
 class _RowCoef:
     """A chunk's per-row upstream terms ``[R, 1]`` with the transform's factor ``s / T``: d
     (divergence; 0 if None), g (log-prob; 0 if None), e (entropy; None if unused) and
-    ``gh = g + e·H``."""
+    ``gh = g + e·H``; with a sparse teacher, the tail's factor ``[R]`` (beta 0: ``ratio`` =
+    τ_t / τ_s; else ``u_tail``, see :func:`.topk.tail_factor`)."""
 
-    def __init__(self, up: DivUpstream, stats: DivStats, c: _Chunk, opts: KernelOptions) -> None:
+    def __init__(self, up: DivUpstream, stats: DivStats, c: _Chunk, opts: DivOptions) -> None:
         r0, r1 = c.r0, c.r0 + c.h_s.shape[0]
-        self.ratio = None  # top-k: τ_t / τ_s [R]
-        if c.topk is not None:
-            self.ratio = sparse.tail_ratio(c.topk.log_tail, stats.aux[r0:r1])
+        self.ratio = self.u_tail = None
+        if c.topk is not None and opts.beta == 0.0:
+            self.ratio = sparse.tail_ratio(c.topk.log_tail, stats.tail[r0:r1])
+        elif c.topk is not None:
+            self.u_tail = sparse.tail_factor(
+                c.topk.log_tail, stats.tail[r0:r1], stats.aux[r0:r1], opts.beta
+            )
+        opts = opts.student
         factor = opts.transform.row_factor(None if c.temp is None else c.temp[:, 0])
         ones = torch.ones(r1 - r0, device=c.h_s.device, dtype=opts.compute_dtype)
         factor = ones * factor
@@ -406,7 +419,7 @@ def _backward_rows(
     tiles = _Tiles(min(opts.student.schedule.rows, num_rows), opts, vocab, s.hidden.device)
     width = opts.student.schedule.vocab_block
     for c in _chunks(rows, opts):
-        coef = _RowCoef(up, stats, c, opts.student)
+        coef = _RowCoef(up, stats, c, opts)
         for v0, v1 in opts.student.schedule.vocab_blocks(vocab):
             zs, zt, x, e = tiles.views(c.h_s.shape[0], min(width, v1 - v0))
             _project_both(rows, opts, c, v0, v1, zs, zt)
@@ -432,7 +445,7 @@ def _tile_grad(stats: DivStats, opts: DivOptions, c: _Chunk, coef: _RowCoef, v0,
         x.addcmul_(p_t, coef.d, value=-1.0)
     slot, inside = label_slot(c.labels, v0, x.shape[1])
     x.scatter_add_(1, slot, torch.where(inside, coef.g.squeeze(1), 0.0)[:, None])
-    if opts.mode == "topk":
+    if opts.mode == "topk" and opts.beta == 0.0:
         sparse.add_teacher_term(x, c.topk, coef.d, v0)
     return x if slope is None else x.mul_(slope)
 
@@ -446,7 +459,9 @@ def _divergence_factor(stats: DivStats, opts: DivOptions, c: _Chunk, coef, v0: i
     forward KL, ``-p_t``; for top-k, the kept ids' terms)::
 
         forward: u = 1     reverse: u = lp_s - lp_t - KL(p_s‖p_t)
-        JSD: u = (1-β)·(lp_s - log m - KL(p_s‖m))     top-k: see :func:`.topk.kept_factor`
+        JSD: u = (1-β)·(lp_s - log m - KL(p_s‖m))
+        top-k: the same over the buckets, see :func:`.topk.kept_factor` (beta 0) and
+        :func:`.topk.bucket_factor`
 
     bufs: the student's log-probs, the teacher's tile (free with a sparse teacher), ``x``.
     """
@@ -455,8 +470,11 @@ def _divergence_factor(stats: DivStats, opts: DivOptions, c: _Chunk, coef, v0: i
     mode = opts.mode
     if mode == "forward":
         x.copy_(coef.d.expand_as(x))
-    elif mode == "topk":
+    elif mode == "topk" and opts.beta == 0.0:
         sparse.kept_factor(x, zt, c.topk.ids, v0, coef.d, coef.ratio)
+    elif mode == "topk":
+        aux = stats.aux[r0:r1]
+        sparse.bucket_factor(x, zt, lp_s, c.topk, v0, coef.d, aux, coef.u_tail, opts.beta)
     else:
         lp_t = _teacher_log_softmax_(zt, stats, r0, r1)
         if mode == "reverse":

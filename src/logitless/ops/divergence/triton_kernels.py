@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...backends.base import HeadGrads, Needs
+from ...backends.base import HeadGrads, Needs, extend_rows
 from ...backends.triton_kernels import (
     _Call,
     _grouped,
@@ -46,7 +46,7 @@ from ...backends.triton_kernels import (
     head_grads,
     register,
 )
-from .tiles import DivOptions, DivRows, DivStats, DivUpstream
+from .tiles import DivOptions, DivRows, DivStats, DivUpstream, _padded
 
 _MODES = {"forward": 0, "reverse": 1, "jsd": 2}
 
@@ -359,16 +359,21 @@ def forward_rows(rows: DivRows, opts: DivOptions) -> DivStats:
     """Per-row divergence, log-prob, entropy and the statistics backward needs.
 
     rows: M valid rows with a dense teacher; returns fp32 :class:`DivStats` (the torch tiles'
-    fields: entropy None without ``with_entropy``, aux None at beta 0).
+    fields: entropy None without ``with_entropy``, aux None at beta 0). In the batch-invariant
+    mode the rows are padded to whole blocks, as the torch tiles pad them.
     """
     num_rows, dev = rows.student.hidden.shape[0], rows.student.hidden.device
+    pad = opts.student.schedule.padding(num_rows)
+    if pad:
+        stats = forward_rows(_padded(rows, pad), opts)
+        return DivStats(*(None if x is None else x[:num_rows] for x in stats))
     names = DivStats._fields
     out = {k: torch.empty(num_rows, device=dev) for k in names}
     heads = _Heads(rows, opts)
     for r0, r1 in _row_passes(num_rows, opts.student):
         for k, v in _stats_pass(heads, r0, r1, opts.student.with_entropy).items():
             out[k][r0:r1] = v
-    keep = {"entropy": opts.student.with_entropy, "aux": opts.mode != "forward"}
+    keep = {"entropy": opts.student.with_entropy, "aux": opts.mode != "forward", "tail": False}
     return DivStats(*(out[k] if keep.get(k, True) else None for k in names))
 
 
@@ -383,7 +388,7 @@ def _stats_pass(heads: _Heads, r0: int, r1: int, with_entropy: bool) -> dict:
         rows * heads.vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
         *heads.tensors(r0, r1), stats, rows, *heads.sizes(), splits, *heads.scalars(),
-        MODE=_MODES[heads.mode], WITH_ENTROPY=with_entropy, **heads.meta,
+        MODE=_MODES[heads.mode], WITH_ENTROPY=with_entropy, pinned=heads.s.pinned, **heads.meta,
     )  # fmt: skip
     m_s, s_s, q_s, zy, m_t, s_t, cross = _merge(stats, heads.mode)
     log_s, log_t = s_s.log(), s_t.log()
@@ -438,7 +443,7 @@ def _jsd_pass(heads: _Heads, r0: int, r1: int, splits: int, norm: torch.Tensor):
         rows * heads.vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
         *heads.tensors(r0, r1, labels=False), norm.contiguous(), out, rows, *heads.sizes(),
-        splits, *heads.scalars(), *heads.mixture(), **heads.meta,
+        splits, *heads.scalars(), *heads.mixture(), pinned=heads.s.pinned, **heads.meta,
     )  # fmt: skip
     kl_s, kl_t = out.sum(1)
     return kl_s, kl_t
@@ -450,6 +455,13 @@ def backward_rows(
     """Gradients of the student's hidden ``[M, H]``, weight ``[V, H]`` and bias ``[V]`` (in
     their dtypes) under the upstream gradients ``up``; recomputes both heads' tiles chunk by
     chunk (the teacher's only when the divergence has a gradient)."""
+    num_rows = rows.student.hidden.shape[0]
+    pad = opts.student.schedule.padding(num_rows)
+    if pad:  # the filler rows: the first row's statistics, a zero upstream gradient (dz = 0)
+        stats = DivStats(*(extend_rows(x, pad) for x in stats))
+        up = DivUpstream(*(extend_rows(u, pad, 0.0) for u in up))
+        dh, dw, db = backward_rows(_padded(rows, pad), stats, up, opts, needs)
+        return (None if dh is None else dh[:num_rows]), dw, db
     heads = _Heads(rows, opts)
     use_e = up.entropy is not None and stats.entropy is not None
     flags = {"HAS_D": up.divergence is not None, "HAS_G": up.logp is not None, "HAS_E": use_e}
@@ -463,7 +475,8 @@ def backward_rows(
             n * width,
             lambda meta: triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
             *heads.tensors(r0, r1), per_row[:, r0:r1].contiguous(), dz, n, *heads.sizes(),
-            v0, width, *heads.scalars(), *beta, MODE=_MODES[heads.mode], **flags, **heads.meta,
+            v0, width, *heads.scalars(), *beta, MODE=_MODES[heads.mode], **flags,
+            pinned=heads.s.pinned, **heads.meta,
         )  # fmt: skip
 
     return head_grads(rows.student, opts.student, needs, write_dz)
