@@ -435,7 +435,7 @@ def _build_liger_grpo(work: Workload, inputs: Inputs) -> Step:
 
 # ---- task "replay": sampling replay (docs/sampling-replay.md) vs the full-vocabulary op ----
 
-_MASK_KEPT = 64  # kept ids per row of the sampling_mask workload (the bound)
+_MASK_KEPT = 64  # kept ids per row of the sampling_mask workload (a top-64 sampler)
 
 
 def _replay_mask(work: Workload, inputs: Inputs):
