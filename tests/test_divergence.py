@@ -387,7 +387,10 @@ def large_logit_inputs(case: Case, shift_s: float, shift_t: float) -> dict:
 LARGE_CASES = [
     Case(beta=beta, shape=(37,), H=24, Ht=24, V=509, bias=True, t_bias=True, extras=True)
     for beta in (0.0, 1.0, 0.4)
-] + [Case(beta=0.0, shape=(37,), H=24, V=509, bias=True, extras=True, topk=7)]
+] + [
+    Case(beta=beta, shape=(37,), H=24, V=509, bias=True, extras=True, topk=7)
+    for beta in (0.0, 1.0, 0.4)
+]
 
 
 @pytest.mark.parametrize("shift", LARGE_SHIFTS, ids=[f"{a:g},{b:g}" for a, b in LARGE_SHIFTS])
