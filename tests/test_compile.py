@@ -82,12 +82,18 @@ def _no_recompile():
 
 @pytest.fixture
 def torch_empty(monkeypatch):
-    """torch's own ``empty`` factories, not tests/conftest.py's NaN-filling wrappers: Dynamo
-    refuses to trace the wrapper's call of the builtin it closes over (depending on what ran
-    before), and the traced steps call ``torch.empty`` in the torch tiles."""
+    """torch's own ``empty`` factories, not tests/conftest.py's NaN-filling wrappers, for steps
+    that trace the torch tiles' ``torch.empty``. Dynamo lists the torch functions it can trace
+    by looking them up once, at its first compile: in a process whose first compile ran under
+    the wrappers, the list holds the wrappers, and the builtin (the wrapper's inner call, or
+    itself restored) is refused as unknown. So: the builtins back, and the list rebuilt."""
+    from torch._dynamo import trace_rules
+
     for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
         factory = getattr(owner, name)
         monkeypatch.setattr(owner, name, getattr(factory, "__wrapped_empty__", factory))
+    trace_rules.get_torch_obj_rule_map.cache_clear()
+    trace_rules.get_tensor_method.cache_clear()
 
 
 def _batch(seed: int, dtype):
