@@ -315,3 +315,106 @@ def test_a_matmul_whose_rows_move_is_detected_and_the_mode_refused(monkeypatch):
     hp, yp = _probes(torch.float32)
     with pytest.raises(ValueError, match="batch_invariant=True is not available on cpu"):
         _logprobs(hp, yp, weight, bias)
+
+
+def test_bench_task_runs_at_a_tiny_shape():
+    """``logitless bench --task invariance``: every method builds and runs a step, and the
+    trainer-pattern report shows no ratio off 1.0 in the batch-invariant mode."""
+    from logitless.apps.bench.invariance import methods, ratio_report
+    from logitless.apps.bench.workload import Workload, make_inputs
+
+    work = Workload("invariance", 32, 16, 300, 0.75, "float32", "cpu", threads=1, repeats=1)
+    inputs = make_inputs(work)
+    for method in methods().values():
+        method.build(work, inputs)()
+        inputs.clear_grads()
+    lines = ratio_report(work).splitlines()
+    ours = [line for line in lines if line.startswith("| batch_invariant")]
+    assert len(ours) == 2 and all("| 0.00% |" in line for line in ours)
+    assert len([line for line in lines if line.startswith("| naive")]) == 2
+
+
+@pytest.mark.parametrize("op", ["logprobs", "divergence"])
+def test_triton_schedule_does_not_follow_the_rows(op, monkeypatch):
+    """Triton (interpreter): in this mode every launch of a call, forward and backward, has the
+    same kernel, size, grid (row blocks x vocabulary splits) and the pinned configuration,
+    whatever the number of rows: the rows go in whole blocks, so only the number of passes
+    changes. (The bits themselves need a GPU: the interpreter's dot runs through numpy.)"""
+    from logitless.backends import triton_kernels as tk
+
+    seen: list[tuple] = []
+    real = tk._launch
+
+    def spy(name, elems, grid_of, *args, pinned=False, **kwargs):
+        seen.append((name, elems, grid_of(tk._INTERPRETER.kwargs), pinned))
+        return real(name, elems, grid_of, *args, pinned=pinned, **kwargs)
+
+    monkeypatch.setattr(tk, "_launch", spy)
+    if op == "divergence":
+        from logitless.ops.divergence import triton_kernels as dk
+
+        monkeypatch.setattr(dk, "_launch", spy)
+    vocab, dim = 300, 16
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, dim, generator=g, requires_grad=True)
+    t_weight = torch.randn(vocab, dim, generator=g)
+    block = Schedule.invariant(vocab, torch.device("cpu")).rows
+    launches = {}
+    for n in (1, 5, block + 2):
+        hidden = torch.randn(n, dim, generator=g, requires_grad=True)
+        labels = torch.randint(0, vocab, (n,), generator=g)
+        seen.clear()
+        if op == "logprobs":
+            out = logitless.linear_logprobs(
+                hidden, weight, labels, with_entropy=True, backend="triton", batch_invariant=True
+            )
+            (out.logprobs.sum() + out.entropy.sum()).backward()
+        else:
+            out = logitless.linear_divergence(
+                hidden, weight, labels, torch.randn(n, dim, generator=g), t_weight, beta=0.5,
+                backend="triton", batch_invariant=True,
+            )  # fmt: skip
+            out.divergence.sum().backward()
+        passes = -(-n // block)
+        assert all(s[3] for s in seen) and len(seen) % passes == 0
+        launches[n] = sorted(set(seen))
+    assert launches[1] == launches[5] == launches[block + 2]
+
+
+def test_triton_pinned_configuration_is_one_of_the_checked_ones():
+    """The mode's one configuration per kernel table and dot kind comes from the autotuned
+    lists (each compiled and checked for spills by the ahead-of-time check)."""
+    from logitless.backends import triton_kernels as tk
+
+    for name, ieee in (("stats", "IEEE"), ("dz", "IEEE")):
+        for flag, kind in ((False, "tc"), (True, "fma")):
+            pinned = tk.pinned_config(name, {ieee: flag})
+            assert pinned in tk._TABLES[tk._KERNELS[name].table][kind]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "backend, dtype", [("torch", torch.float32), ("triton", torch.bfloat16)], ids=str
+)
+def test_cuda_probe_bits_and_ratio(backend, dtype):
+    """On a GPU: the probes' bits in every context, and the fused loss's ratio exactly 1.0,
+    through the torch tiles (fp32) and the Triton kernels (bf16)."""
+    dev = torch.device("cuda")
+    weight, bias = (t.to(dev) for t in _head(dtype))
+    hp, yp = (t.to(dev) for t in _probes(dtype))
+    ref = _logprobs(hp, yp, weight, bias, backend=backend)
+    for seed, (n, ignored) in enumerate(CONTEXTS):
+        hidden, labels, at = (t.to(dev) for t in _context(n, ignored, dtype, seed))
+        out = _logprobs(hidden, labels, weight, bias, backend=backend)
+        _same_bits(out.logprobs[at], ref.logprobs)
+        _same_bits(out.entropy[at], ref.entropy)
+    hidden, labels, adv = (t.to(dev) for t in _rl_batch(dtype))
+    with torch.no_grad():
+        old = _logprobs(hidden, labels, weight, bias, backend=backend).logprobs
+    for s in range(8):
+        w = weight.clone().requires_grad_(True)
+        _, metrics = logitless.fused_policy_loss(
+            hidden[s : s + 1], w, labels[s : s + 1], old[s : s + 1], adv[s : s + 1],
+            config=PolicyLossConfig(), bias=bias, backend=backend, batch_invariant=True,
+        )  # fmt: skip
+        assert metrics["ratio_min"].item() == 1.0 == metrics["ratio_max"].item()

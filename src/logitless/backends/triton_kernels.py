@@ -52,6 +52,7 @@ from .base import (
     RowBatch,
     RowStats,
     Upstream,
+    extend_rows,
     finish_stats,
 )
 
@@ -337,7 +338,9 @@ def _dz_kernel(
 #     operand size (a 4-byte operand, fp32 weights even under a 16-bit head, takes twice a 2-byte
 #     one's bytes); the autotuner times what is left once per key (every constexpr the launcher
 #     passes: dtypes, transform flags, outputs, plus the hidden widths).
-# A mode that pins one configuration (batch invariance) is one more branch of ``candidates``.
+#   - the batch-invariant mode (``pinned``): the table's "invariant" entry for the dot kind, one
+#     configuration whatever the call (an autotuner's pick can differ from process to process,
+#     and the small / tuned choice follows the call's size).
 
 
 def _config(bm, bn, bk, warps, stages, group_m=8):
@@ -358,6 +361,8 @@ def _config(bm, bn, bk, warps, stages, group_m=8):
 # transform in the epilogue, and 16 warps cap the registers at 128 and spill too: they are out.
 _HEAD_TABLE = {
     "small": _config(64, 64, 32, 4, 2),
+    # batch invariance: one configuration per dot kind, from the lists below
+    "invariant": {"tc": _config(128, 128, 32, 8, 3), "fma": _config(128, 128, 16, 8, 2)},
     "tc": [
         _config(128, 128, 64, 8, 3),
         _config(128, 128, 64, 8, 4),
@@ -373,7 +378,8 @@ _HEAD_TABLE = {
 # accumulators of the head's kernels at one tile size (the operand tiles' shared memory is
 # reused: the two GEMM loops run one after the other).
 _DIVERGENCE_TABLE = {
-    "small": _config(64, 64, 32, 8, 2),
+    "small": _config(64, 64, 32, 8, 3),  # s2 spills 24 B on sm_100 (div_stats, scalar T)
+    "invariant": {"tc": _config(64, 128, 32, 8, 4), "fma": _config(64, 64, 32, 8, 2)},
     "tc": [
         _config(64, 128, 64, 8, 3),
         _config(64, 128, 32, 8, 4),
@@ -386,6 +392,8 @@ _DIVERGENCE_TABLE = {
 }
 _TABLES = {"head": _HEAD_TABLE, "divergence": _DIVERGENCE_TABLE}
 _INTERPRETER = _config(16, 128, 32, 1, 1, group_m=4)
+# Shared memory beyond the operand tiles: barriers (16 B on sm_100), reduction scratch.
+_SHARED_SLACK = 1024
 _TUNE_MIN_ELEMS = 1 << 26
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 
@@ -404,7 +412,8 @@ def shared_bytes(config: triton.Config, operand_bytes: int) -> int:
     one ``[BLOCK_M, BLOCK_K]`` and one ``[BLOCK_K, BLOCK_N]`` tile (a kernel with two GEMMs runs
     them one after the other in the same buffers)."""
     k = config.kwargs
-    return config.num_stages * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * operand_bytes
+    tiles = config.num_stages * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * operand_bytes
+    return tiles + _SHARED_SLACK
 
 
 def tuned_configs(name: str, args: dict, shared_limit: int) -> list[triton.Config]:
@@ -418,14 +427,25 @@ def tuned_configs(name: str, args: dict, shared_limit: int) -> list[triton.Confi
     return keep or [table["small"]]
 
 
-def candidates(name: str, elems: int, args: dict, shared_limit: int) -> list[triton.Config]:
+def candidates(
+    name: str, elems: int, args: dict, shared_limit: int, pinned: bool = False
+) -> list[triton.Config]:
     """Every configuration a launch of kernel ``name`` over ``elems`` logits can run (module
-    comment above); ``args`` by name, ``shared_limit``: the device's bytes per block."""
+    comment above); ``args`` by name, ``shared_limit``: the device's bytes per block;
+    ``pinned``: the batch-invariant mode."""
     if _INTERPRET:
         return [_INTERPRETER]
+    if pinned:
+        return [pinned_config(name, args)]
     if elems < _TUNE_MIN_ELEMS:
         return [_TABLES[_KERNELS[name].table]["small"]]
     return tuned_configs(name, args, shared_limit)
+
+
+def pinned_config(name: str, args: dict) -> triton.Config:
+    """The batch-invariant mode's one configuration of kernel ``name`` (by its dot kind)."""
+    kernel = _KERNELS[name]
+    return _TABLES[kernel.table]["invariant"][_dot_kind(kernel, args)]
 
 
 @functools.cache
@@ -492,9 +512,10 @@ def recording():
         _RECORDED = previous
 
 
-def _launch(name: str, elems: int, grid_of, *args, **kwargs) -> None:
+def _launch(name: str, elems: int, grid_of, *args, pinned: bool = False, **kwargs) -> None:
     """Launch kernel ``name`` over ``elems`` logits on the tensors' device, in one of the
-    configurations :func:`candidates` allows (autotuned among them when there are several)."""
+    configurations :func:`candidates` allows (autotuned among them when there are several);
+    ``pinned``: the batch-invariant mode's one configuration."""
     kernel = _KERNELS[name]
     if _RECORDED is not None:
         _RECORDED.append((name, elems, args, kwargs))
@@ -504,10 +525,10 @@ def _launch(name: str, elems: int, grid_of, *args, **kwargs) -> None:
         kernel.plain[(grid_of(meta),)](*args, **kwargs, **meta)
         return
     with torch.cuda.device(args[0].device):
-        if elems < _TUNE_MIN_ELEMS:
-            small = _TABLES[kernel.table]["small"]
-            launch = {"num_warps": small.num_warps, "num_stages": small.num_stages}
-            kernel.plain[(grid_of(small.kwargs),)](*args, **kwargs, **small.kwargs, **launch)
+        if pinned or elems < _TUNE_MIN_ELEMS:
+            one = pinned_config(name, kwargs) if pinned else _TABLES[kernel.table]["small"]
+            launch = {"num_warps": one.num_warps, "num_stages": one.num_stages}
+            kernel.plain[(grid_of(one.kwargs),)](*args, **kwargs, **one.kwargs, **launch)
         else:
             kernel.tuned[lambda meta: (grid_of(meta),)](*args, **kwargs)
 
@@ -522,6 +543,7 @@ class _Call:
 
     def __init__(self, rows: RowBatch, opts: KernelOptions) -> None:
         hidden, weight, bias, labels, temp = rows
+        self.pinned = opts.schedule.padded  # the batch-invariant mode: one configuration
         self.hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
         self.weight = weight if weight.stride(-1) == 1 else weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
@@ -608,7 +630,10 @@ def _merge_splits(
 
 
 def _row_passes(num_rows: int, opts: KernelOptions) -> list[tuple[int, int]]:
-    step = opts.chunk_size or max(num_rows, 1)
+    """Rows per launch: the caller's ``chunk_size`` (None: every row); in the batch-invariant
+    mode the schedule's fixed block (the rows padded to a multiple of it), so the splits, the
+    backward's vocabulary chunk and cuBLAS's ``M`` never follow the call."""
+    step = opts.schedule.rows if opts.schedule.padded else opts.chunk_size or max(num_rows, 1)
     return [(r, min(r + step, num_rows)) for r in range(0, num_rows, step)]
 
 
@@ -632,6 +657,7 @@ def _stats_pass(call: _Call, r0: int, r1: int, opts: KernelOptions):
         call.inv_temp,
         call.scale,
         call.softcap,
+        pinned=call.pinned,
         WITH_ENTROPY=opts.with_entropy,
         **call.meta,
     )
@@ -644,9 +670,15 @@ def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -
 
     rows: M valid rows (labels shard-local under vocab parallelism, possibly outside [0, V)
     then). Returns fp32 :class:`RowStats` with nothing kept for backward (it recomputes);
-    ``keep_tile`` is accepted for the interface and ignored.
+    ``keep_tile`` is accepted for the interface and ignored. In the batch-invariant mode the
+    rows are padded to whole blocks (as the torch tiles pad them) and the results cut back.
     """
     num_rows = rows.hidden.shape[0]
+    pad = opts.schedule.padding(num_rows)
+    if pad:
+        st = forward_rows(rows.padded(pad), opts)
+        ent = None if st.entropy is None else st.entropy[:num_rows]
+        return RowStats(st.logp[:num_rows], st.lse[:num_rows], ent)
     dev = rows.hidden.device
     logp = torch.empty(num_rows, device=dev)
     lse = torch.empty(num_rows, device=dev)
@@ -722,6 +754,7 @@ def _dz_chunk(call: _Call, r0: int, r1: int, v0: int, dz, lse, ent, g, e) -> Non
         call.softcap,
         HAS_G=g is not None,
         HAS_E=use_e,
+        pinned=call.pinned,
         **call.meta,
     )
 
@@ -739,6 +772,15 @@ def backward_rows(
     stats: the forward's lse and entropy; up: the [M] upstream gradients (None
     when that output is unused); needs: which of (hidden, weight, bias) want a gradient.
     """
+    num_rows = rows.hidden.shape[0]
+    pad = opts.schedule.padding(num_rows)
+    if pad:  # the filler rows: the first row's statistics, a zero upstream gradient (dz = 0)
+        stats = stats._replace(
+            lse=extend_rows(stats.lse, pad), entropy=extend_rows(stats.entropy, pad)
+        )
+        up = Upstream(*(extend_rows(u, pad, 0.0) for u in up))
+        dh, dw, db = backward_rows(rows.padded(pad), stats, up, opts, needs)
+        return (None if dh is None else dh[:num_rows]), dw, db
     grad_logp, grad_ent = up
     use_e = opts.with_entropy and grad_ent is not None
     call = _Call(rows, opts)
