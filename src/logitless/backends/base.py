@@ -86,11 +86,11 @@ def extend_rows(t: torch.Tensor | None, pad: int, fill: float | None = None):
 # tiles). CUDA: larger tiles amortize kernel launches; the tile is still bounded, never [N, V].
 _TILE_ELEMS = {"cpu": 1 << 21}
 _TILE_ELEMS_DEFAULT = 1 << 26
-# The tile width (vocabulary columns) of the default schedule, from the device alone, so a
-# row's online-softmax merge order does not change with the number of rows in the call; the
-# rows per tile follow (tile elements / width).
-_VOCAB_BLOCK = {"cpu": 4096}
-_VOCAB_BLOCK_DEFAULT = 16384
+# Rows of a full tile in the default schedule: its width (vocabulary columns) is the tile's
+# elements over these, from the device alone (4096 columns on CPU, 16384 elsewhere), so a
+# row's online-softmax merge order does not change with the number of rows in the call.
+_ROWS_PER_TILE = {"cpu": 512}
+_ROWS_PER_TILE_DEFAULT = 4096
 _MIN_VOCAB_BLOCK = 256
 _BLOCK_ALIGN = 64
 # The batch-invariant mode's row block: every tile projects exactly this many rows (the last
@@ -144,13 +144,13 @@ class Schedule:
         if invariant:
             return Schedule.invariant(vocab, device)
         tile = _TILE_ELEMS.get(device.type, _TILE_ELEMS_DEFAULT)
-        width = _VOCAB_BLOCK.get(device.type, _VOCAB_BLOCK_DEFAULT)
+        width = _aligned(tile // _ROWS_PER_TILE.get(device.type, _ROWS_PER_TILE_DEFAULT), vocab)
         if chunk_size is None:
             rows = max(1, min(num_rows, tile // width))
         else:
             rows = chunk_size
-            width = min(width, tile // rows)
-        return Schedule(rows=rows, vocab_block=_aligned(width, vocab))
+            width = min(width, _aligned(tile // rows, vocab))
+        return Schedule(rows=rows, vocab_block=width)
 
     @staticmethod
     def invariant(vocab: int, device: torch.device) -> Schedule:
@@ -203,8 +203,10 @@ def check_invariant_blas(device: torch.device, dtype: torch.dtype, dim: int, sch
     """Refuse the batch-invariant mode where this device's matmul gives a row different bits
     at another place in a block, or beside other rows (some BLAS builds split a block's rows
     unevenly over threads or vectorize the edge rows differently): checked once per device,
-    dtype, width and block on a random probe of the schedule's own shapes, then remembered."""
-    key = (str(device), dtype, dim, schedule.rows, schedule.vocab_block)
+    dtype, width, block (and CPU thread count) on a random probe of the schedule's own shapes,
+    then remembered."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 0  # a BLAS splits by them
+    key = (str(device), dtype, dim, schedule.rows, schedule.vocab_block, threads)
     ok = _POSITION_FREE.get(key)
     if ok is None:
         if _is_fake(device):
