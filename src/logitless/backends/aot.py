@@ -408,7 +408,7 @@ def failures(results) -> list[str]:
     for job, target, r in results:
         where = f"{job.kernel} [{job.setup}, {job.variant}, {job.path}] {job.config} on {target}"
         if "error" in r:
-            bad.append(f"{where}: does not compile: {r['error'].splitlines()[0][:300]}")
+            bad.append(f"{where}: does not compile: {' '.join(r['error'].split())[:400]}")
             continue
         if r["shared"] > TARGETS[target][1]:
             bad.append(f"{where}: {r['shared']} B of shared memory, limit {TARGETS[target][1]}")
