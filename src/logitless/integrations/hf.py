@@ -751,6 +751,7 @@ def causal_lm_logprobs(
     with_kept_mass: bool = False,
     capturable: bool = False,
     row_capacity: int | None = None,
+    batch_invariant: bool = False,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of a transformers causal LM, without its logits.
@@ -792,6 +793,10 @@ def causal_lm_logprobs(
         capturable, row_capacity: as in :func:`logitless.linear_logprobs`; logitless's own
             part of the call (targets, checks, head) then reads nothing on the host. Whether
             the backbone does is the model's own (docs/capturable.md).
+        batch_invariant: as in :func:`logitless.linear_logprobs`: each position's log-prob
+            and entropy are the same bits whatever else the batch holds, given the same
+            hidden state (docs/head.md#batch-invariance). The backbone's own invariance is
+            the model's (attention and matmul kernels chosen by batch shape are not).
         **model_kwargs: arguments of the model's backbone (``model.model``) and only of it,
             e.g. flash-attention's varlen ``cu_seq_lens_q`` / ``max_length_q``. transformers'
             backbones drop names they do not know, so a name of logitless's own that this
@@ -919,6 +924,7 @@ def causal_lm_policy_loss(
     with_kept_mass: bool = False,
     capturable: bool = False,
     row_capacity: int | None = None,
+    batch_invariant: bool = False,
     router_aux_loss_coef: float | None = None,
     teacher: nn.Module | None = None,
     **model_kwargs: Any,
@@ -956,6 +962,9 @@ def causal_lm_policy_loss(
             :func:`causal_lm_logprobs` and :func:`logitless.fused_policy_loss`.
         capturable, row_capacity: as in :func:`causal_lm_logprobs`; the loss's checks as in
             :func:`logitless.policy_loss` with ``capturable=True``.
+        batch_invariant: as in :func:`causal_lm_logprobs`: the log-probs inside the loss are
+            those :func:`causal_lm_logprobs` gives with it, bit for bit, so the ratio on
+            unchanged weights is exactly 1.0 whatever the micro-batching.
         router_aux_loss_coef: mixture-of-experts models: the weight of the router's
             load-balancing loss added to the loss (computed from the same backbone call, as
             the model's forward computes it, and reported as ``metrics["aux_loss"]``). None:
@@ -1119,6 +1128,7 @@ def causal_lm_divergence(
     head_dtype: torch.dtype | None = None,
     ignore_index: int = -100,
     backend: Backend = "auto",
+    batch_invariant: bool = False,
     **model_kwargs: Any,
 ) -> Divergence:
     """Per-token divergence between a teacher causal LM and a student causal LM, without
@@ -1144,8 +1154,8 @@ def causal_lm_divergence(
             as in :func:`causal_lm_logprobs`; both models get the same inputs, and the
             positions without a target are skipped (0.0).
         beta, temperature, with_logprobs, with_entropy, vocab_size, chunk_size, head_dtype,
-            ignore_index, backend: as in :func:`logitless.linear_divergence` (the student's
-            log-probs of the targets and entropy).
+            ignore_index, backend, batch_invariant: as in :func:`logitless.linear_divergence`
+            (the student's log-probs of the targets and entropy).
         **model_kwargs: passed to both backbones; as in :func:`causal_lm_logprobs` (a
             logitless option this function does not take, e.g. ``top_k``, ``capturable``,
             ``teacher_softcap``, raises ``TypeError``).
