@@ -389,6 +389,50 @@ def test_compute_loss_under_bf16_matches_trl(model_dir, tmp_path):
     assert op_metrics["entropy"] != pytest.approx(true_metrics["entropy"], rel=1e-5)
 
 
+def test_batch_invariant_reaches_every_head_call(model_dir, tmp_path, monkeypatch):
+    """``LogitlessGRPOTrainer(..., batch_invariant=True)``: the scoring passes (old policy,
+    reference) and the loss's head calls all run in the mode; the loss is the default mode's
+    up to rounding. A value that is not a bool is refused."""
+    from logitless.integrations import hf
+    from logitless.integrations import trl as adapter
+
+    options, attrs, tweaks = COMBOS["off_policy_mask_entropy_kl"]
+    seen: list[object] = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            seen.append((fn.__name__, kwargs.get("batch_invariant")))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    losses = {}
+    for invariant in (False, True):
+        trainer = LogitlessGRPOTrainer(
+            model=model_dir, reward_funcs=_reward, args=_args(tmp_path / str(invariant), **options),
+            train_dataset=_dataset(), processing_class=_TOKENIZERS[model_dir],
+            batch_invariant=invariant,
+        )  # fmt: skip
+        trainer.current_gradient_accumulation_steps = 2
+        if invariant:
+            for name in ("linear_logprobs", "fused_policy_loss"):
+                monkeypatch.setattr(adapter, name, spy(getattr(adapter, name)))
+            monkeypatch.setattr(hf, "causal_lm_logprobs", spy(hf.causal_lm_logprobs))
+        inputs = _batch(trainer, tweaks)
+        trainer.model.train()
+        losses[invariant] = _loss_and_grads(trainer, inputs)[0]
+    names = {name for name, _ in seen}
+    assert names == {"causal_lm_logprobs", "linear_logprobs", "fused_policy_loss"}, seen
+    assert all(flag is True for _, flag in seen), seen
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        LogitlessGRPOTrainer(
+            model=model_dir, reward_funcs=_reward, args=_args(tmp_path / "bad"),
+            train_dataset=_dataset(), processing_class=_TOKENIZERS[model_dir],
+            batch_invariant="yes",
+        )  # fmt: skip
+
+
 def test_loss_configs_of_trl_presets():
     """The PolicyLossConfig each TRL preset maps to (the table of docs/trl.md)."""
 

@@ -40,7 +40,8 @@ def models(tmp_path_factory):
     return T.save_model(root / "student"), T.save_model(root / "teacher", width=24)
 
 
-def _trainer(cls, models, tmp_path, **options):
+def _trainer(cls, models, tmp_path, mixin=None, **options):
+    """``cls`` on the tiny models; ``mixin``: the logitless trainer's own keywords."""
     student, teacher = models
     args = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_completion_length=6,
@@ -53,6 +54,7 @@ def _trainer(cls, models, tmp_path, **options):
         args=trl.DistillationConfig(**(args | options)),
         train_dataset=T._dataset(),
         processing_class=T._TOKENIZERS[student],
+        **(mixin or {}),
     )
 
 
@@ -121,6 +123,31 @@ def test_train_matches_trl(options, models, tmp_path):
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         runs.append((trainer.state.log_history, params))
     assert T.assert_same_run(*runs[0], *runs[1], T._initial(models[0])) > 0
+
+
+def test_batch_invariant_reaches_the_divergence(models, tmp_path, monkeypatch):
+    """``LogitlessDistillationTrainer(..., batch_invariant=True)`` runs its divergence in the
+    mode; the loss is the default mode's up to rounding; a non-bool is refused."""
+    from logitless.integrations import hf
+
+    default = _trainer(LogitlessDistillationTrainer, models, tmp_path / "a", beta=0.5)
+    ours = _trainer(
+        LogitlessDistillationTrainer, models, tmp_path / "b", {"batch_invariant": True}, beta=0.5
+    )
+    inputs = default._generate_and_score_completions(next(iter(default.get_train_dataloader())))
+    seen = []
+    real = hf.causal_lm_divergence
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("batch_invariant"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "causal_lm_divergence", spy)
+    a, b = _loss_and_grads(ours, inputs, True), _loss_and_grads(default, inputs, True)
+    assert seen == [True, False]
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        _trainer(LogitlessDistillationTrainer, models, tmp_path / "c", {"batch_invariant": 1})
 
 
 def test_unsupported_teacher_is_refused(models, tmp_path):

@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..contract.checks import check_flag
 from ..losses import LossNormalizer, PolicyLossConfig
 from ..ops.fused_loss.op import fused_policy_loss
 from ..ops.logprobs.op import linear_logprobs
@@ -464,16 +465,22 @@ class _Step(NamedTuple):
     entropies: torch.Tensor | None
 
 
-def _head_kwargs(head: hf.CausalLMHead, temperature: float, head_dtype: torch.dtype | None) -> dict:
+def _head_kwargs(
+    head: hf.CausalLMHead, temperature: float, head_dtype: torch.dtype | None, invariant: bool
+) -> dict:
     """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (its
-    softcap and logit scale; ``head_dtype``: the autocast dtype lm_head would run in)."""
+    softcap and logit scale; ``head_dtype``: the autocast dtype lm_head would run in), and the
+    trainer's ``batch_invariant``."""
     return dict(
         bias=head.bias,
         temperature=float(temperature),
         softcap=head.softcap,
         logit_scale=None if head.logit_scale == 1.0 else head.logit_scale,
         head_dtype=head_dtype,
+        batch_invariant=invariant,
     )
+
+
 
 
 class LogitlessGRPOMixin:
@@ -484,9 +491,16 @@ class LogitlessGRPOMixin:
 
     It overrides ``_get_per_token_logps_and_entropies`` and ``_compute_loss``; everything
     else (generation, rewards, advantages, logging) is the trainer's own.
+
+    One keyword of its own: ``batch_invariant=True`` runs every head call (the old policy's
+    and the reference's scoring, the loss) in logitless's batch-invariant mode, so a token's
+    log-prob does not depend on the batch it is scored in and the ratio on unchanged weights
+    is exactly 1.0 (docs/head.md#batch-invariance; the backbone's own invariance is the
+    model's).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batch_invariant: bool = False, **kwargs: Any) -> None:
+        self.logitless_batch_invariant = check_flag("batch_invariant", batch_invariant)
         super().__init__(*args, **kwargs)
         check_trainer(self)
 
@@ -524,6 +538,7 @@ class LogitlessGRPOMixin:
                     response_mask=response[rows],
                     with_entropy=compute_entropy,
                     temperature=self.temperature,
+                    batch_invariant=self.logitless_batch_invariant,
                 )
             logps.append(layout.to_trl(out.logprobs))
             if compute_entropy:
@@ -578,7 +593,9 @@ class LogitlessGRPOMixin:
         self, head, hidden, labels, head_dtype, inputs, opts: _Options, config, mode, layout, step
     ):
         """The head's part of :meth:`_logitless_step`: a no-grad pass, TRL's masks, the loss."""
-        head_kwargs = _head_kwargs(head, opts.temperature, head_dtype)
+        head_kwargs = _head_kwargs(
+            head, opts.temperature, head_dtype, self.logitless_batch_invariant
+        )
         mask = step.mask
         with torch.autocast(hidden.device.type, enabled=False):
             with torch.no_grad():  # current log-probs and entropies: one head pass, no grad

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..contract.checks import check_flag
 from . import hf
 
 try:
@@ -81,9 +82,12 @@ class LogitlessDistillationMixin:
         class MyTrainer(LogitlessDistillationMixin, MyDistillationTrainer): ...
 
     It overrides ``compute_loss``; generation and everything else stay the trainer's own.
+    ``batch_invariant=True`` (its one keyword of its own) runs the divergence in logitless's
+    batch-invariant mode (docs/head.md#batch-invariance).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batch_invariant: bool = False, **kwargs: Any) -> None:
+        self.logitless_batch_invariant = check_flag("batch_invariant", batch_invariant)
         super().__init__(*args, **kwargs)
         check_distillation(self)
 
@@ -107,6 +111,7 @@ class LogitlessDistillationMixin:
             model, self.teacher_model, input_ids, attention_mask=attention_mask,
             response_mask=response, beta=float(self.beta),
             temperature=float(self.temperature), with_entropy=True,
+            batch_invariant=self.logitless_batch_invariant,
         )  # fmt: skip
         valid = mask.sum()  # TRL's count of the loss's tokens
         loss = out.divergence.sum()
