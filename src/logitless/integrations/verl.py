@@ -1,0 +1,248 @@
+"""verl's FSDP engine: logitless as its fused-kernel backend, switched on by configuration.
+
+verl (0.9.x) computes the actor's log-probs and entropy through a model forward that its
+``apply_monkey_patch`` picks from ``actor_rollout_ref.model.fused_kernel_options.impl_backend``
+(``torch``, ``triton`` or ``liger``, a fixed set). This module adds two values to that set::
+
+    actor_rollout_ref.model.external_lib=logitless.integrations.verl   # verl imports it
+    actor_rollout_ref.model.use_fused_kernels=True
+    actor_rollout_ref.model.fused_kernel_options.impl_backend=logitless
+    # or impl_backend=logitless_batch_invariant: the same bits for a token whatever else is
+    # in the micro-batch (verl's bitwise-reproducible fallback)
+
+verl imports every ``external_lib`` in each worker when it builds the model config, before the
+engine builds the model. Importing this module replaces **one** verl function,
+``verl.models.transformers.monkey_patch.patch_forward_with_backends`` (the place where verl
+chooses the forward from ``impl_backend``; nothing else in verl can be reached without it):
+for the two values above it gives the model instance a forward of logitless's
+(:func:`verl_forward`), for every other value it calls verl's own function unchanged.
+:func:`uninstall` puts verl's function back. No class is patched: the forward is set on the
+model instance, which FSDP1, FSDP2 and PEFT all call through.
+
+The forward has the signature and return type of verl's ``forward_with_torch_backend``
+(``verl.models.transformers.dense_common``): it runs the model's backbone, then scores the
+final hidden states against ``shift_labels`` (the engine's labels, rolled over the whole packed
+row before any Ulysses slicing) or, without them, ``labels`` / ``input_ids`` rolled by one along
+the sequence, and returns ``CausalLMOutputForPPO(log_probs=, entropy=)``: fp32 ``[B, T]`` (or
+``[1, total_nnz / sp]``) tensors, never the ``[tokens, vocab]`` logits. In verl's padded layout,
+positions where ``attention_mask`` is 0 cost nothing and hold 0.0 (verl's engine drops them).
+Under Ulysses sequence parallelism the engine slices the tokens and gathers the outputs; the
+head is token-local, so each rank scores its own slice.
+
+Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
+.SUPPORTED_MODELS` (multimodal models among them), ``inputs_embeds``, multimodal inputs or any
+other keyword argument the forward does not know, a KV cache, ``logits_to_keep``,
+``return_dict=False``, ``output_hidden_states`` / ``output_attentions``. The sum of squared
+probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's engine itself whenever
+fused kernels are on, before any forward output is read; logitless has no op for it either.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..contract.options import HeadOptions, SamplerOptions
+from . import hf
+
+__all__ = ["BACKENDS", "install", "installed", "uninstall", "use", "verl_forward"]
+
+#: ``fused_kernel_options.impl_backend`` values this module adds, and whether each runs in the
+#: batch-invariant mode.
+BACKENDS: dict[str, bool] = {"logitless": False, "logitless_batch_invariant": True}
+
+_MONKEY_PATCH = "verl.models.transformers.monkey_patch"
+_FUNCTION = "patch_forward_with_backends"
+_original: Any = None  # verl's function while ours is installed
+
+
+def install() -> None:
+    """Put logitless's ``patch_forward_with_backends`` in verl's place (idempotent)."""
+    global _original
+    module = importlib.import_module(_MONKEY_PATCH)
+    current = getattr(module, _FUNCTION)
+    if current is _patch_forward_with_backends:
+        return
+    _original = current
+    setattr(module, _FUNCTION, _patch_forward_with_backends)
+
+
+def uninstall() -> None:
+    """Give verl its own ``patch_forward_with_backends`` back (a no-op when not installed)."""
+    global _original
+    if _original is None:
+        return
+    module = importlib.import_module(_MONKEY_PATCH)
+    if getattr(module, _FUNCTION) is _patch_forward_with_backends:
+        setattr(module, _FUNCTION, _original)
+    _original = None
+
+
+def installed() -> bool:
+    """Whether verl's ``patch_forward_with_backends`` is logitless's now."""
+    module = importlib.import_module(_MONKEY_PATCH)
+    return getattr(module, _FUNCTION) is _patch_forward_with_backends
+
+
+def _patch_forward_with_backends(
+    model: nn.Module, use_fused_kernels: bool = False, fused_kernels_backend: str | None = None
+) -> None:
+    """verl's ``patch_forward_with_backends`` with the logitless values added; any other value
+    goes to verl's own function."""
+    if not use_fused_kernels or fused_kernels_backend not in BACKENDS:
+        return _original(
+            model,
+            use_fused_kernels=use_fused_kernels,
+            fused_kernels_backend=fused_kernels_backend,
+        )
+    use(model, batch_invariant=BACKENDS[fused_kernels_backend])
+    model._verl_fused_kernels_backend = fused_kernels_backend
+    return None
+
+
+def use(model: nn.Module, *, batch_invariant: bool = False) -> None:
+    """Give ``model`` (a transformers causal LM of :data:`hf.SUPPORTED_MODELS`) logitless's
+    forward for verl, on the instance: ``model.forward`` becomes :func:`verl_forward`."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        raise ValueError(
+            f"impl_backend=logitless: {type(model).__name__} is a multimodal model; logitless "
+            "supports the text-only causal LMs of logitless.integrations.hf.SUPPORTED_MODELS "
+            "(use impl_backend=torch for this model)"
+        )
+    try:
+        hf.check_model(model)
+    except ValueError as err:
+        raise ValueError(f"impl_backend=logitless: {err}") from None
+    model.forward = types.MethodType(_bound_forward(batch_invariant), model)
+
+
+def _bound_forward(batch_invariant: bool):
+    def forward(self: nn.Module, *args: Any, **kwargs: Any):
+        return verl_forward(self, *args, batch_invariant=batch_invariant, **kwargs)
+
+    return forward
+
+
+# The arguments of verl's forward_with_torch_backend that logitless takes as verl passes them.
+_UNSUPPORTED_KWARGS = {
+    "pixel_values": "multimodal inputs",
+    "image_grid_thw": "multimodal inputs",
+    "pixel_values_videos": "multimodal inputs",
+    "video_grid_thw": "multimodal inputs",
+    "calculate_sum_pi_squared": "the sum of squared probabilities",
+}
+
+
+def verl_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    output_attentions: bool | None = None,
+    output_hidden_states: bool | None = None,
+    return_dict: bool | None = None,
+    cache_position: torch.Tensor | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    temperature: float | torch.Tensor = 1.0,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    batch_invariant: bool = False,
+    **loss_kwargs: Any,
+):
+    """verl's fused forward, computed by logitless: ``CausalLMOutputForPPO(log_probs, entropy)``.
+
+    What verl's ``forward_with_torch_backend`` returns for the same arguments (fp32
+    ``log_probs`` and ``entropy`` of the labels' shape), from the model's backbone and its head
+    weight without the ``[tokens, vocab]`` logits. Labels: ``shift_labels`` as given, else
+    ``labels`` or ``input_ids`` rolled by -1 along the last dimension (verl's rule); positions
+    where ``attention_mask`` is 0 hold 0.0. ``batch_invariant``: :class:`HeadOptions`'.
+    """
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO
+
+    _refuse(
+        inputs_embeds=inputs_embeds,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        output_attentions=output_attentions,
+        output_hidden_states=output_hidden_states,
+        return_dict=return_dict,
+        cache_position=cache_position,
+        logits_to_keep=logits_to_keep,
+        loss_kwargs=loss_kwargs,
+    )
+    if input_ids is None:
+        raise ValueError("impl_backend=logitless needs input_ids (inputs_embeds is not supported)")
+    if position_ids is not None and position_ids.dim() != input_ids.dim():
+        raise ValueError(
+            f"impl_backend=logitless: position_ids of shape {tuple(position_ids.shape)} (3-D "
+            "rope position ids are multimodal models') are not supported; expected "
+            f"{tuple(input_ids.shape)}"
+        )
+    if shift_labels is not None:
+        targets = shift_labels
+    elif labels is not None:
+        targets = torch.roll(labels, shifts=-1, dims=-1)
+    else:
+        targets = torch.roll(input_ids, shifts=-1, dims=-1)
+    targets = targets.to(torch.int64)
+    ignore = -100
+    if attention_mask is not None:
+        targets = targets.masked_fill(~attention_mask.bool(), ignore)
+    options = HeadOptions(
+        temperature=temperature,
+        with_entropy=True,
+        ignore_index=ignore,
+        batch_invariant=batch_invariant,
+    )
+    batch = hf._ModelBatch(input_ids, attention_mask, position_ids, None, targets)
+    out = hf._logprobs_in_forward(model, batch, options, SamplerOptions(), {})
+    return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
+
+
+def _refuse(
+    *,
+    inputs_embeds: Any,
+    past_key_values: Any,
+    use_cache: Any,
+    output_attentions: Any,
+    output_hidden_states: Any,
+    return_dict: Any,
+    cache_position: Any,
+    logits_to_keep: Any,
+    loss_kwargs: dict[str, Any],
+) -> None:
+    """The arguments verl's forward takes that logitless does not: ``ValueError`` naming them."""
+    named = []
+    if inputs_embeds is not None:
+        named.append("inputs_embeds (multimodal models and embedding inputs)")
+    if past_key_values is not None or use_cache:
+        named.append("a KV cache (past_key_values / use_cache=True)")
+    if cache_position is not None:
+        named.append("cache_position")
+    if output_attentions or output_hidden_states:
+        named.append("output_attentions / output_hidden_states")
+    if return_dict is False:
+        named.append("return_dict=False (verl's fused forwards return a dict)")
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        named.append("logits_to_keep (logitless never builds logits)")
+    for name in sorted(loss_kwargs):
+        what = _UNSUPPORTED_KWARGS.get(name, "an argument verl's text-model forward does not take")
+        named.append(f"{name} ({what})")
+    if named:
+        raise ValueError(
+            "impl_backend=logitless does not support " + "; ".join(named) + ". Use verl's "
+            "impl_backend=torch for this model or call."
+        )
+
+
+if importlib.util.find_spec("verl") is not None:  # verl imports this module (external_lib)
+    install()

@@ -1,0 +1,125 @@
+"""verl's FSDP engine forward on CPU, as verl runs it: ``FSDPEngineWithLMHead.forward_step``
+(``prepare_model_inputs`` -> ``module(**inputs)`` -> ``prepare_model_outputs`` -> the loss
+function) on a tiny transformers model patched by verl's own ``apply_monkey_patch``.
+
+The engine object is made without ``__init__`` (which builds device meshes and FSDP from a
+checkpoint on disk) and given the attributes ``forward_step`` reads; verl's device helpers are
+pointed at the CPU (they assume an accelerator). Everything between the micro-batch and the
+loss is verl's code, and the model's forward is the one ``apply_monkey_patch`` chose.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+import verl.utils.tensordict_utils as tu
+import verl.workers.engine.fsdp.transformer_impl as impl
+from verl.models.transformers.monkey_patch import apply_monkey_patch
+from verl.utils import torch_functional as verl_F
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.workers.config.engine import FSDPEngineConfig
+
+import logitless.integrations.verl as lv  # installs the backend values, as external_lib does
+
+V, H = 163, 32
+
+
+def tiny_model(layers: int = 2, seed: int = 0) -> transformers.Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(
+        vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # logits of a trained model's spread, not a random init's ~0
+        model.lm_head.weight.normal_(0, 0.6)
+    return model
+
+
+class _VerlTorchQwen2(transformers.Qwen2ForCausalLM):
+    """verl's torch and triton backends set ``model.__class__.forward``: a class of its own
+    keeps that patch off every other model of the test."""
+
+
+def patched(model: torch.nn.Module, backend: str | None, *, sp: int = 1, rmpad: bool = True):
+    """A copy of ``model`` patched by verl's ``apply_monkey_patch`` (``backend`` None: unfused,
+    the model's own forward returning logits)."""
+    model = copy.deepcopy(model)
+    if backend in ("torch", "triton", "liger"):
+        model.__class__ = _VerlTorchQwen2
+    apply_monkey_patch(
+        model=model,
+        ulysses_sp_size=sp,
+        use_remove_padding=rmpad,
+        use_fused_kernels=backend is not None,
+        fused_kernels_backend=backend,
+    )
+    return model
+
+
+def engine(module: torch.nn.Module, *, sp: int = 1, dtype=torch.float32, group=None):
+    eng = object.__new__(impl.FSDPEngineWithLMHead)
+    eng.module = module
+    eng.engine_config = FSDPEngineConfig(ulysses_sequence_parallel_size=sp, use_torch_compile=False)
+    eng.use_ulysses_sp = sp > 1
+    eng.ulysses_sequence_parallel_size = sp
+    eng.ulysses_device_mesh = None
+    eng.ulysses_parallel_group = group
+    eng.pad_to_length = False
+    eng.pad_to_length_bucket = 1
+    eng._autocast_dtype = dtype
+    eng.compute_entropy_from_logits = verl_F.entropy_from_logits
+    return eng
+
+
+def micro_batch(seqs, *, temperature=1.0, fused=True, rmpad=True):
+    """verl's micro-batch of sequences (lists of ids): nested input_ids and position_ids."""
+    ids = torch.nested.nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)
+    pos = torch.nested.nested_tensor([torch.arange(len(s)) for s in seqs], layout=torch.jagged)
+    return tu.get_tensordict(
+        {"input_ids": ids, "position_ids": pos},
+        {
+            "temperature": temperature,
+            "use_remove_padding": rmpad,
+            "use_fused_kernels": fused,
+            "calculate_entropy": True,
+            "pad_mode": DatasetPadMode.NO_PADDING,
+            "pad_token_id": 0,
+        },
+    )
+
+
+def forward_step(eng, batch, g=None, e=None, monkeypatch=None):
+    """verl's ``forward_step`` on ``batch``; with upstream gradients ``g`` (log-probs) and
+    ``e`` (entropy), per packed token, backward through it. Returns (log_probs, entropy)
+    packed ``[total_nnz]`` and every parameter's gradient by name."""
+    seen = {}
+
+    def loss_function(model_output, data, dp_group):
+        lp, ent = model_output["log_probs"].values(), model_output["entropy"].values()
+        seen["lp"], seen["ent"] = lp, ent
+        if g is None:
+            return lp.sum() * 0.0, {}
+        return (lp * g).sum() + (ent * e).sum(), {}
+
+    for p in eng.module.parameters():
+        p.grad = None
+    loss, _ = eng.forward_step(batch, loss_function=loss_function, forward_only=g is None)
+    if g is not None:
+        loss.backward()
+    grads = {}
+    if g is not None:
+        grads = {n: p.grad.detach().clone() for n, p in eng.module.named_parameters()}
+    return seen["lp"].detach(), seen["ent"].detach(), grads
+
+
+def cpu_devices(monkeypatch) -> None:
+    """verl's device helpers assume an accelerator; the engine module reads them by name."""
+    monkeypatch.setattr(impl, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
+
+
+__all__ = ["lv", "patched", "engine", "micro_batch", "forward_step", "tiny_model", "cpu_devices"]

@@ -1,0 +1,222 @@
+"""logitless as verl's fused-kernel backend, through verl 0.9's own FSDP engine forward on CPU.
+
+Each case runs ``FSDPEngineWithLMHead.forward_step`` (tests/verl_backend/_engine.py) on the same
+tiny Qwen2 patched by verl's ``apply_monkey_patch`` three ways: ``impl_backend=logitless``, verl's
+``impl_backend=torch`` and the unfused path (verl's logits -> log_softmax), plus the unfused path
+on a float64 copy (the truth). The loss is ``Σ g·log_probs + Σ e·entropy`` with random ``g``,
+``e``; log-probs, entropy and every parameter's gradient must be within 4x the fp32 paths'
+error against float64 (tests/_tolerance.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+import verl.utils.tensordict_utils as tu
+from _dist import spawn
+from _engine import cpu_devices, engine, forward_step, lv, micro_batch, patched, tiny_model
+from _tolerance import assert_no_worse_than_reference
+
+SEQS = [[5, 6, 7, 8, 9, 3, 2], [10, 11, 12], [13, 14, 15, 16, 1], [40, 41]]
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    cpu_devices(monkeypatch)
+
+
+def _upstream(seqs, seed=1, zero_last=False):
+    n = sum(map(len, seqs))
+    gen = torch.Generator().manual_seed(seed)
+    g, e = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    keep = torch.ones(n, dtype=torch.bool)
+    if zero_last:  # each sequence's last token: its label is a filler (below)
+        keep[torch.tensor([len(s) for s in seqs]).cumsum(0) - 1] = False
+    return g * keep, e * keep, keep
+
+
+def _run(model, backend, seqs, *, rmpad=True, temperature=1.0, g=None, e=None, dtype=None):
+    if dtype is not None:
+        model = copy.deepcopy(model).to(dtype)
+        g, e = g.to(dtype), e.to(dtype)
+    mod = patched(model, backend, rmpad=rmpad)
+    batch = micro_batch(seqs, temperature=temperature, fused=backend is not None, rmpad=rmpad)
+    return forward_step(engine(mod), batch, g, e)
+
+
+def _check(name, got, refs, truth, keep=None):
+    for ref_name, ref in refs.items():
+        a, r, t = got, ref, truth
+        if keep is not None:
+            a, r, t = a[keep], r[keep], t[keep]
+        assert_no_worse_than_reference(a, r, t, f"{name} (reference: {ref_name})")
+
+
+@pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_forward_matches_torch_backend_and_unfused(rmpad, temperature):
+    model = tiny_model()
+    # Padded layout: verl's fused forwards roll each row's ids (a sequence's last token is
+    # scored on the pad id, or its own first token), its unfused path rolls the packed row (the
+    # next sequence's first token). Neither is a prediction anyone trains on; those positions
+    # are left out of the comparison with the unfused paths and get no upstream gradient.
+    g, e, keep = _upstream(SEQS, zero_last=not rmpad)
+    kw = dict(rmpad=rmpad, temperature=temperature, g=g, e=e)
+    ours = _run(model, "logitless", SEQS, **kw)
+    torch_backend = _run(model, "torch", SEQS, **kw)
+    unfused = _run(model, None, SEQS, **kw)
+    truth = _run(model, None, SEQS, dtype=torch.float64, **kw)
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == torch.float32
+    mask = None if rmpad else keep
+    for i, name in enumerate(("log_probs", "entropy")):
+        _check(name, ours[i], {"unfused": unfused[i]}, truth[i], mask)
+        _check(name, ours[i], {"torch backend": torch_backend[i]}, truth[i], mask)
+    if not rmpad:  # the fused paths agree with each other everywhere, fillers included
+        torch.testing.assert_close(ours[0], torch_backend[0], rtol=1e-5, atol=1e-5)
+    for n in truth[2]:
+        refs = {"unfused": unfused[2][n], "torch backend": torch_backend[2][n]}
+        _check(f"grad {n}", ours[2][n], refs, truth[2][n])
+
+
+def test_bf16_autocast_as_verl_runs_it():
+    """verl's engine runs the forward under autocast (bf16): the head's matmul in bf16 as
+    ``lm_head`` / verl's torch backend run it, statistics in fp32. Held to the naive (unfused)
+    bf16 path's error; the outputs also to verl's torch backend's."""
+    model = tiny_model()
+    g, e, _ = _upstream(SEQS)
+    outs = {}
+    for b in ("logitless", "torch", None):
+        mod = patched(model, b)
+        eng = engine(mod, dtype=torch.bfloat16)
+        outs[b] = forward_step(eng, micro_batch(SEQS, fused=b is not None), g, e)
+    truth = _run(model, None, SEQS, g=g, e=e, dtype=torch.float64)
+    assert outs["logitless"][0].dtype == torch.float32
+    assert outs["logitless"][1].dtype == torch.float32  # verl's torch backend: bf16 entropy
+    for i, name in enumerate(("log_probs", "entropy")):
+        refs = {"unfused": outs[None][i], "torch backend": outs["torch"][i].float()}
+        _check(name, outs["logitless"][i], refs, truth[i])
+    for n in truth[2]:
+        _check(f"grad {n}", outs["logitless"][2][n], {"unfused": outs[None][2][n]}, truth[2][n])
+
+
+def test_the_switch_is_one_replaced_function_and_undone():
+    import verl.models.transformers.monkey_patch as mp
+
+    assert lv.installed()
+    model = tiny_model(layers=0)
+    cls_forward = type(model).forward
+    ours = patched(model, "logitless")
+    assert "forward" in vars(ours) and type(ours).forward is cls_forward  # instance, not class
+    assert ours._verl_fused_kernels_backend == "logitless"
+    lv.uninstall()
+    try:
+        assert not lv.installed() and mp.patch_forward_with_backends.__module__ == mp.__name__
+        plain = patched(model, "logitless")  # verl's own function: an unknown value, skipped
+        assert "forward" not in vars(plain)
+    finally:
+        lv.install()
+    assert lv.installed()
+    lv.install()  # idempotent: verl's function is still what uninstall restores
+    lv.uninstall()
+    assert mp.patch_forward_with_backends.__module__ == mp.__name__
+    lv.install()
+    # other values still reach verl's own function
+    verl_torch = patched(model, "torch")
+    assert type(verl_torch).forward is not cls_forward and "forward" not in vars(verl_torch)
+
+
+def test_refused_by_name():
+    model = tiny_model(layers=0)
+    mod = patched(model, "logitless")
+    ids = torch.tensor([[1, 2, 3]])
+    cases = {
+        "inputs_embeds": dict(inputs_embeds=torch.zeros(1, 3, 32)),
+        "pixel_values (multimodal inputs)": dict(input_ids=ids, pixel_values=torch.zeros(1)),
+        "KV cache": dict(input_ids=ids, use_cache=True),
+        "logits_to_keep": dict(input_ids=ids, logits_to_keep=1),
+        "return_dict=False": dict(input_ids=ids, return_dict=False),
+        "calculate_sum_pi_squared": dict(input_ids=ids, calculate_sum_pi_squared=True),
+    }
+    for what, kwargs in cases.items():
+        with pytest.raises(ValueError, match=what.replace("(", r"\(").replace(")", r"\)")):
+            mod(**kwargs)
+    out = mod(input_ids=ids, return_dict=True)
+    assert out.log_probs.shape == (1, 3) and out.entropy.dtype == torch.float32
+    # models: a multimodal config, an unsupported class
+    mm = tiny_model(layers=0)
+    mm.config.vision_config = transformers.PretrainedConfig()
+    with pytest.raises(ValueError, match="multimodal"):
+        patched(mm, "logitless")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=0, n_embd=16, n_head=2))
+    with pytest.raises(ValueError, match="impl_backend=logitless: unsupported model GPT2"):
+        lv.use(gpt2)
+    # verl's engine refuses the sum of squared probabilities with any fused backend
+    batch = micro_batch(SEQS)
+    tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
+    with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared"):
+        forward_step(engine(mod), batch)
+
+
+def test_batch_invariant_backend_gives_a_sequence_the_same_bits_in_any_company():
+    """verl's exactness check: a sequence's log-probs do not depend on the micro-batch (the
+    other sequences, their order, gradients or not). A backbone without decoder layers is
+    token-local, so only the head could break it."""
+    model = tiny_model(layers=0)
+    mod = patched(model, "logitless_batch_invariant")
+    target = [7, 8, 9, 10, 11, 12]
+    others = [[20 + i for i in range(n)] for n in (3, 50, 17, 130, 1)]
+    companies = [[target], [target, *others], [*others[::-1], target], [others[1], target]]
+    seen = []
+    for k, seqs in enumerate(companies):
+        n = sum(map(len, seqs))
+        g = e = torch.ones(n) if k % 2 else None
+        lp, ent, _ = forward_step(engine(mod), micro_batch(seqs), g, e)
+        start = sum(len(s) for s in seqs[: seqs.index(target)])
+        seen.append((lp[start : start + len(target) - 1], ent[start : start + len(target) - 1]))
+    for lp, ent in seen[1:]:
+        assert torch.equal(lp, seen[0][0]) and torch.equal(ent, seen[0][1])
+
+
+# --- Ulysses sequence parallelism on 2 gloo ranks ---------------------------------------
+
+
+def _ulysses_worker(rank, world, seqs):
+    import torch.distributed as dist
+    import verl.workers.engine.fsdp.transformer_impl as impl
+    from _engine import engine, forward_step, micro_batch, patched, tiny_model
+    from verl.utils.ulysses import set_ulysses_sequence_parallel_group
+
+    impl.get_device_id = lambda: "cpu"
+    impl.get_device_name = lambda: "cpu"
+    group = dist.new_group(list(range(world)))
+    set_ulysses_sequence_parallel_group(group)
+    model = tiny_model(layers=0)
+    g, e, _ = _upstream(seqs)
+    out = {}
+    for backend in ("logitless", "torch"):
+        mod = patched(model, backend, sp=world)
+        out[backend] = forward_step(engine(mod, sp=world, group=group), micro_batch(seqs), g, e)
+    return out
+
+
+def test_ulysses_two_ranks_equal_one_process():
+    seqs = [s for s in SEQS] + [[50, 51, 52, 53, 54, 55, 56, 57, 58]]  # 26 tokens: 13 a rank
+    ranks = spawn(_ulysses_worker, 2, seqs)
+    model = tiny_model(layers=0)
+    g, e, _ = _upstream(seqs)
+    one = _run(model, "logitless", seqs, g=g, e=e)
+    unfused = _run(model, None, seqs, g=g, e=e)
+    truth = _run(model, None, seqs, g=g, e=e, dtype=torch.float64)
+    for r in ranks:  # every rank holds the gathered outputs of the whole packed row
+        for i in range(2):
+            torch.testing.assert_close(r["logitless"][i], one[i], rtol=0, atol=0)
+            torch.testing.assert_close(r["logitless"][i], r["torch"][i], rtol=1e-5, atol=1e-6)
+    # verl's gather scales the gradient by the group size; each rank has its slice's share
+    for n in truth[2]:
+        summed = sum(r["logitless"][2][n] for r in ranks) / len(ranks)
+        verl_summed = sum(r["torch"][2][n] for r in ranks) / len(ranks)
+        refs = {"unfused": unfused[2][n], "torch backend, 2 ranks": verl_summed}
+        _check(f"grad {n}", summed, refs, truth[2][n])
