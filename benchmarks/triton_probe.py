@@ -235,9 +235,10 @@ def main() -> None:
         print(f"{tag}: host syncs in one triton fwd+bwd: {len(syncs)}")
         for s in syncs:
             print("   ", s)
-    from logitless.backends.triton_kernels import _dz_tuned, _stats_tuned
+    from logitless.backends.triton_kernels import _KERNELS
 
-    for name, k in (("stats", _stats_tuned), ("dz", _dz_tuned)):
+    for name in ("stats", "dz"):
+        k = _KERNELS[name].tuned
         for key, cfg in getattr(k, "cache", {}).items():
             print(f"autotuned {name} {key}: {cfg}")
         for cfg, t in sorted(getattr(k, "configs_timings", {}).items(), key=lambda x: x[1]):
