@@ -113,3 +113,22 @@ def test_the_check_rejects_what_cannot_launch():
     bad = aot.failures(cases)
     assert len(bad) == 4 and "does not compile" in bad[0] and "shared memory" in bad[1]
     assert aot.failures([(_job(), "sm_90", ok), (_job("fp32"), "sm_90", {**ok, "spill": 8})]) == []
+
+
+def test_the_autotuner_prunes_by_the_operand_size_on_the_device(monkeypatch):
+    """The autotuner's prune (what runs on a GPU) keeps only the configurations whose operand
+    tiles fit the device at the loaded operand size: fp32 weights under a bf16 head on an
+    A100 keep fewer than bf16 weights do, and every kept one fits."""
+    import torch
+
+    from logitless.backends import triton_kernels as tk
+
+    a100 = aot.TARGETS["sm_80"][1]
+    monkeypatch.setattr(tk, "_shared_limit", lambda index: a100)
+    kept = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        h = torch.empty(4, 8, dtype=dtype)
+        kept[dtype] = tk._prune("stats", [], {"h_ptr": h, "w_ptr": h}, IEEE=False)
+        size = h.element_size()
+        assert all(tk.shared_bytes(c, size) <= a100 for c in kept[dtype])
+    assert 0 < len(kept[torch.float32]) < len(kept[torch.bfloat16])
