@@ -65,8 +65,9 @@ def _packed_batch(cp: int, cp_rank: int, multiple: int, seed: int = 2) -> dict:
     for d, (n, n_pad) in enumerate(zip(lengths, padded, strict=True)):
         ids = torch.randint(0, V, (n_pad,), generator=g)
         labels = torch.cat([ids[1:], ids.new_zeros(1)])
-        mask = (torch.arange(n_pad) < n - 1).float()  # the last token and padding: no target
+        mask = torch.ones(n_pad)  # the padding is left to packed_seq_params to exclude
         mask[:2] = 0  # a prompt
+        mask[n - 1] = 0  # the document's last token has no next token
         full = dict(
             input_ids=ids,
             position_ids=torch.arange(n_pad),
@@ -220,6 +221,13 @@ def _head_case(rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool) 
     batch = _batch(tp, cp, sp, packed)
     up = batch["up"]
 
+    if packed:  # the tokens trained on and their documents, read from packed_seq_params
+        mask, doc = megatron.token_layout(
+            megatron.megatron_head(model), batch["labels"], batch["loss_mask"],
+            batch["packed_seq_params"],
+        )  # fmt: skip
+        assert torch.equal(mask, _mask(batch)) and torch.equal(doc, batch["document_ids"])
+
     # ours; the pre-hook on output_layer fires once, with the hidden states
     seen: list = []
     handle = _capture_hidden(model, seen)
@@ -251,10 +259,12 @@ def _head_case(rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool) 
             ours[name], ref[name], exact[name], f"rank {rank}: {name}", floor=f
         )
 
-    # the fused loss equals the composed loss (and its gradients)
+    # the fused loss equals the composed loss (and its gradients); a packed batch's document
+    # ids are the library's own (read from packed_seq_params)
     inputs = _loss_inputs(batch, logp)
     loss, _ = megatron.policy_loss(
-        model, *_model_inputs(batch), batch["labels"], inputs, config=CONFIG,
+        model, *_model_inputs(batch), batch["labels"],
+        inputs.replace(document_ids=None) if packed else inputs, config=CONFIG,
         loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"],
     )  # fmt: skip
     loss.backward()
@@ -273,20 +283,185 @@ def _head_case(rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool) 
         )  # fmt: skip
 
 
+def _schedule_case(rank: int, per_token: bool) -> None:
+    """Megatron's own schedule (get_forward_backward_func) over two micro-batches drives
+    policy_loss_step: the step's gradients equal the composed policy_loss of both micro-batches
+    with the same step normalizer (float64 truth beside)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from logitless.integrations import megatron
+
+    model, truth, _ = _setup(2, 1, False)
+    head = megatron.megatron_head(model)
+    batches = [_dense_batch(seed=s) for s in (3, 4)]
+    masks = [megatron.token_layout(head, b["labels"], b["loss_mask"])[0] for b in batches]
+    norm = megatron.step_normalizer(
+        masks, [b["document_ids"] for b in batches], calculate_per_token_loss=per_token
+    )
+    inputs = []
+    for b, m in zip(batches, masks, strict=True):
+        with torch.no_grad():
+            logp = megatron.logprobs(model, *_model_inputs(b), b["labels"], loss_mask=m)
+        inputs.append(_loss_inputs(b, logp.logprobs))
+
+    def forward_step(data_iterator, model):
+        b, inp = next(data_iterator)
+        return megatron.policy_loss_step(
+            model, *_model_inputs(b), b["labels"], inp, config=CONFIG, normalizer=norm,
+            num_microbatches=len(batches), calculate_per_token_loss=per_token,
+            loss_mask=b["loss_mask"],
+        )  # fmt: skip
+
+    def finalize(models, num_tokens, **kwargs):  # what finalize_model_grads does to the grads
+        if num_tokens is not None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(num_tokens)
+
+    model.config.calculate_per_token_loss = per_token
+    model.config.finalize_model_grads_func = finalize
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(list(zip(batches, inputs, strict=True))),
+        model=model, num_microbatches=len(batches), seq_length=16, micro_batch_size=2,
+        forward_only=False,
+    )  # fmt: skip
+    ours = _grads(model)
+
+    def composed(m) -> dict:
+        for b, inp in zip(batches, inputs, strict=True):
+            logp = _megatron_path(m, b)[0]
+            loss, _ = logitless.policy_loss(
+                logp, inp.old_logprobs.to(logp.dtype), inp.advantages.to(logp.dtype), inp.mask,
+                config=CONFIG, document_ids=inp.document_ids, normalizer=norm,
+            )  # fmt: skip
+            loss.backward()
+        return _grads(m)
+
+    ref, exact = composed(model), composed(truth)
+    assert set(ours) == set(ref) == set(exact)
+    floor = 2 * _param_floor(batches[0])
+    for name in ref:
+        assert_no_worse_than_reference(ours[name], ref[name], exact[name], name, floor=floor)
+
+
+def _divergence_case(rank: int) -> None:
+    """The divergence to a teacher GPTModel (TP=2 with sequence parallelism, beta=0.5) vs the
+    generalized JSD of both models' gathered logits, in fp32 and float64."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from logitless.integrations import megatron
+
+    beta = 0.5
+    model, truth, build = _setup(2, 1, True)
+    teacher = build(seed=5)
+    teacher64 = _float64_copy(teacher, build)
+    batch = _dense_batch(seed=6)
+    up = batch["up"][0]
+
+    def reference(student, teach) -> torch.Tensor:
+        def logits(m):
+            out = m(*_model_inputs(batch)).transpose(0, 1).contiguous()
+            return gather_from_tensor_model_parallel_region(out).transpose(0, 1)
+
+        with torch.no_grad():
+            lt = logits(teach).log_softmax(-1)
+        ls = logits(student).log_softmax(-1)
+        lm = torch.logsumexp(torch.stack([ls + torch.tensor(1 - beta).log(),
+                                          lt + torch.tensor(beta).log()]), 0)  # fmt: skip
+        kl_t = (lt.exp() * (lt - lm)).sum(-1)
+        kl_s = (ls.exp() * (ls - lm)).sum(-1)
+        return torch.where(_mask(batch), beta * kl_t + (1 - beta) * kl_s, 0.0)
+
+    out = megatron.divergence(
+        model, teacher, *_model_inputs(batch), batch["labels"], beta=beta,
+        loss_mask=batch["loss_mask"],
+    )  # fmt: skip
+    (out.divergence * up).sum().backward()
+    ours = dict(div=out.divergence, **_grads(model))
+    d = reference(model, teacher)
+    (d * up).sum().backward()
+    ref = dict(div=d, **_grads(model))
+    d64 = reference(truth, teacher64)
+    (d64 * up).sum().backward()
+    exact = dict(div=d64, **_grads(truth))
+    assert set(ours) == set(ref) == set(exact)
+    assert not any(p.grad is not None for p in teacher.parameters()), "the teacher is frozen"
+    for name in ref:
+        f = FLOOR if name == "div" else _param_floor(batch)
+        assert_no_worse_than_reference(ours[name], ref[name], exact[name], name, floor=f)
+
+
+def _errors_case(rank: int) -> None:
+    """Bad input: a ValueError in Megatron's terms, on every rank (never a hang)."""
+    from logitless.integrations import megatron
+
+    def raises(match_here: str, match_other: str | None, fn) -> None:
+        with pytest.raises(ValueError) as caught:
+            fn()
+        want = match_here if match_other is None or rank == 1 else match_other
+        assert want in str(caught.value), (want, str(caught.value))
+
+    other = "another rank of the tensor- or context-parallel group rejected"
+
+    model, _, _ = _setup(2, 1, False)
+    batch = _dense_batch()
+    args = _model_inputs(batch)
+    # labels that do not match the hidden states, on one rank only
+    labels = batch["labels"][:, :-1] if rank == 1 else batch["labels"]
+    raises("labels must be [batch, seq_length] = [2, 16]", other,
+           lambda: megatron.logprobs(model, *args, labels))  # fmt: skip
+    # output_layer's weight is not this rank's shard of the vocabulary
+    layer, weight = model.output_layer, model.output_layer.weight
+    if rank == 1:
+        layer.weight = torch.nn.Parameter(torch.zeros(weight.shape[0] + 1, weight.shape[1]))
+    raises("output_layer's weight must be this tensor-parallel rank's", other,
+           lambda: megatron.logprobs(model, *args, batch["labels"]))  # fmt: skip
+    layer.weight = weight
+    # a packed batch whose sequences do not add up to the labels
+    packed = _packed_batch(1, 0, 2)
+    raises("packed_seq_params describes", None, lambda: megatron.logprobs(
+        model, packed["input_ids"][:, :-2], packed["position_ids"][:, :-2], None,
+        packed["labels"][:, :-2], packed_seq_params=packed["packed_seq_params"]))  # fmt: skip
+    # multi-token prediction, refused by name
+    model.config.mtp_num_layers = 1
+    raises("multi-token prediction (mtp_num_layers=1)", None,
+           lambda: megatron.logprobs(model, *args, batch["labels"]))  # fmt: skip
+    model.config.mtp_num_layers = None
+
+    model, _, _ = _setup(2, 1, True)  # sequence parallelism: S must split over the TP ranks
+    odd = {k: v[:, :15] for k, v in batch.items() if k in ("input_ids", "labels")}
+    raises(
+        "with sequence_parallel=True the sequence length must be a multiple of "
+        "tensor_model_parallel_size=2, got seq_length=15",
+        None,
+        lambda: megatron.logprobs(model, odd["input_ids"], None, None, odd["labels"]),
+    )
+
+    model, _, _ = _setup(1, 2, False)  # context parallelism needs the packed parameters
+    raises("context_parallel_size=2 needs packed_seq_params", None,
+           lambda: megatron.logprobs(model, *args, batch["labels"]))  # fmt: skip
+
+
 def _run_checks(rank: int, world: int, checks: list[tuple[str, tuple]]) -> dict[str, str | None]:
     """Run each check on this rank; its failure as text (None: passed), so one spawn serves
-    several tests and a failing check does not hide the others' results."""
+    several tests. After a failure the rank runs no further check (they are reported as not
+    run): a check that failed on one rank only leaves the ranks' collectives out of step."""
     import traceback
 
     import _megatron_shim  # noqa: F401  (the warning filters, before megatron's imports)
 
     results: dict[str, str | None] = {}
+    failed = None
     for name, args in checks:
+        if failed is not None:
+            results[name] = f"rank {rank}: not run, after {failed} failed"
+            continue
         try:
             CHECKS[name.split(":")[0]](rank, *args)
             results[name] = None
         except Exception:  # noqa: BLE001 - reported by the test of this check
             results[name] = f"rank {rank}: {traceback.format_exc()}"
+            failed = name
     return results
 
 
@@ -297,15 +472,27 @@ HEAD_CASES = {  # tp, cp, sequence_parallel, tied, packed
     "cp2_packed": (1, 2, False, False, True),
     "tp2_cp2_sp_packed": (2, 2, True, False, True),
 }
-CHECKS: dict = {"head": _head_case}
+CHECKS: dict = {
+    "head": _head_case,
+    "schedule": _schedule_case,
+    "divergence": _divergence_case,
+    "errors": _errors_case,
+}
 
 
 def _checks_of(world: int) -> list[tuple[str, tuple]]:
     heads = [(f"head:{k}", v) for k, v in HEAD_CASES.items() if v[0] * v[1] == world]
-    return heads + [(k, ()) for k in EXTRA_CHECKS.get(world, ())]
+    return heads + EXTRA_CHECKS.get(world, [])
 
 
-EXTRA_CHECKS: dict[int, tuple[str, ...]] = {2: ()}
+EXTRA_CHECKS: dict[int, list[tuple[str, tuple]]] = {
+    2: [
+        ("schedule", (False,)),
+        ("schedule:per_token", (True,)),
+        ("divergence", ()),
+        ("errors", ()),
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +520,37 @@ def test_head_matches_megatron_and_float64(two_ranks, case):
 def test_head_tensor_and_context_parallel(four_ranks):
     """TP=2 x CP=2 with sequence parallelism and packed documents split zigzag (4 ranks)."""
     _passed(four_ranks, "head:tp2_cp2_sp_packed")
+
+
+@pytest.mark.parametrize("name", ["schedule", "schedule:per_token"])
+def test_forward_backward_func_drives_the_step(two_ranks, name):
+    """Megatron's get_forward_backward_func over two micro-batches (calculate_per_token_loss
+    off, and on with finalize_model_grads' division) gives the step normalizer's gradients."""
+    _passed(two_ranks, name)
+
+
+def test_divergence_to_a_teacher_gpt_model(two_ranks):
+    _passed(two_ranks, "divergence")
+
+
+def test_bad_input_raises_on_every_rank(two_ranks):
+    _passed(two_ranks, "errors")
+
+
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/megatron_head.py end to end on a tiny shape (its figures are not checked)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "megatron_head.py"),
+         *("--seq", "64", "--hidden", "32", "--vocab", "500", "--tp", "2", "--repeats", "1"),
+         "--entropy", "--csv", str(tmp_path / "mh.csv")],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "megatron: peak" in proc.stdout and "logitless: peak" in proc.stdout, proc.stdout
+    assert "ratio logitless/megatron" in proc.stdout, proc.stdout
+    assert (tmp_path / "mh.csv").read_text().count("\n") == 3  # header + 2 rows

@@ -360,8 +360,8 @@ def divergence(
         head.weight,
         tokens.labels,
         teacher_hidden,
-        teacher_head.weight,
-        teacher_bias=teacher_head.bias,
+        teacher_head.weight.detach(),  # frozen: a teacher's parameters may require grad
+        teacher_bias=None if teacher_head.bias is None else teacher_head.bias.detach(),
         teacher_logit_scale=teacher_head.logit_scale,
         teacher_softcap=teacher_head.softcap,
         vocab_parallel=parallel.head_vocab(),
