@@ -5,7 +5,7 @@ the configurations their rule can select for each target, compiles each with Tri
 ``ptxas`` and reads registers, spills, shared memory and the tensor-core instructions. It runs
 in a process of its own, without ``TRITON_INTERPRET`` (the kernels are built at import), and
 caches each result under pytest's cache directory, keyed on the compiled source, target and
-options: an unchanged kernel is not compiled again (cold: ~450 compiles, 7 minutes on 2 busy
+options: an unchanged kernel is not compiled again (cold: ~560 compiles, ~10 minutes on 2 busy
 cores; warm: 5 seconds).
 """
 
