@@ -180,29 +180,35 @@ def test_batch_invariant_backend_gives_a_sequence_the_same_bits_in_any_company()
         assert torch.equal(lp, seen[0][0]) and torch.equal(ent, seen[0][1])
 
 
-# --- Ulysses sequence parallelism on 2 gloo ranks ---------------------------------------
+# --- Ulysses sequence parallelism on 2 gloo ranks, under FSDP2 ------------------------------
 
 
 def _ulysses_worker(rank, world, seqs):
+    """Both ranks form one Ulysses group and one FSDP2 mesh, as verl's engine puts its sp ranks
+    in the FSDP mesh: the model is ``fully_shard``-ed after verl patched it (verl's order)."""
     import torch.distributed as dist
     import verl.workers.engine.fsdp.transformer_impl as impl
     from _engine import engine, forward_step, micro_batch, patched, tiny_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from verl.utils.ulysses import set_ulysses_sequence_parallel_group
 
     impl.get_device_id = lambda: "cpu"
     impl.get_device_name = lambda: "cpu"
     group = dist.new_group(list(range(world)))
     set_ulysses_sequence_parallel_group(group)
+    mesh = init_device_mesh("cpu", (world,))
     model = tiny_model(layers=0)
     g, e, _ = _upstream(seqs)
     out = {}
     for backend in ("logitless", "torch"):
-        mod = patched(model, backend, sp=world)
-        out[backend] = forward_step(engine(mod, sp=world, group=group), micro_batch(seqs), g, e)
+        mod = fully_shard(patched(model, backend, sp=world), mesh=mesh)
+        lp, ent, grads = forward_step(engine(mod, sp=world, group=group), micro_batch(seqs), g, e)
+        out[backend] = (lp, ent, {n: t.full_tensor() for n, t in grads.items()})
     return out
 
 
-def test_ulysses_two_ranks_equal_one_process():
+def test_ulysses_two_ranks_under_fsdp2_equal_one_process():
     seqs = [s for s in SEQS] + [[50, 51, 52, 53, 54, 55, 56, 57, 58]]  # 26 tokens: 13 a rank
     ranks = spawn(_ulysses_worker, 2, seqs)
     model = tiny_model(layers=0)
@@ -214,9 +220,8 @@ def test_ulysses_two_ranks_equal_one_process():
         for i in range(2):
             torch.testing.assert_close(r["logitless"][i], one[i], rtol=0, atol=0)
             torch.testing.assert_close(r["logitless"][i], r["torch"][i], rtol=1e-5, atol=1e-6)
-    # verl's gather scales the gradient by the group size; each rank has its slice's share
-    for n in truth[2]:
-        summed = sum(r["logitless"][2][n] for r in ranks) / len(ranks)
-        verl_summed = sum(r["torch"][2][n] for r in ranks) / len(ranks)
-        refs = {"unfused": unfused[2][n], "torch backend, 2 ranks": verl_summed}
-        _check(f"grad {n}", summed, refs, truth[2][n])
+        # verl's gather scales each rank's gradient by the group size, FSDP2 averages over the
+        # mesh: the reduced gradient is the one-process gradient
+        for n in truth[2]:
+            refs = {"unfused, 1 process": unfused[2][n], "torch backend": r["torch"][2][n]}
+            _check(f"grad {n}", r["logitless"][2][n], refs, truth[2][n])
