@@ -4,9 +4,10 @@
 the configurations their rule can select for each target, compiles each with Triton's
 ``ptxas`` and reads registers, spills, shared memory and the tensor-core instructions. It runs
 in a process of its own, without ``TRITON_INTERPRET`` (the kernels are built at import), and
-caches each result under pytest's cache directory, keyed on the compiled source, target and
-options: an unchanged kernel is not compiled again (cold: ~560 compiles, ~10 minutes on 2 busy
-cores; warm: 5 seconds).
+caches each result in the user's cache directory (``$XDG_CACHE_HOME/logitless/aot``, default
+``~/.cache/logitless/aot``: kept across checkouts and CI clones on one machine), keyed on the
+compiled source, its callees, target, options and the Triton version: an unchanged kernel is
+not compiled again (cold: ~560 compiles, ~10 minutes on 2 busy cores; warm: 5 seconds).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ SOFTCAP_FLAGS = {"HAS_BIAS", "HAS_SCALE", "HAS_SOFTCAP", "TEMP_MODE"}
 
 
 @pytest.fixture(scope="module")
-def compiled(pytestconfig, tmp_path_factory):
+def compiled(tmp_path_factory):
     """The check's JSON output: results of every compile, each kernel's autotune key and the
     failures."""
-    cache = pytestconfig.cache.mkdir("logitless-aot")
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = os.path.join(root, "logitless", "aot")
+    os.makedirs(cache, exist_ok=True)
     out = tmp_path_factory.mktemp("aot") / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "logitless.backends.aot", "--cache", str(cache)]
