@@ -128,7 +128,8 @@ def _bound_forward(batch_invariant: bool):
     return forward
 
 
-# The arguments of verl's forward_with_torch_backend that logitless takes as verl passes them.
+# Keyword arguments verl's engines may hand a model's forward that logitless refuses, and what
+# they are (any other unknown name is refused too).
 _UNSUPPORTED_KWARGS = {
     "pixel_values": "multimodal inputs",
     "image_grid_thw": "multimodal inputs",
