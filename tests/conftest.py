@@ -90,6 +90,7 @@ SLOW_FILES = {
     "test_fused_parallel.py",
     "test_hf_distributed.py",
     "test_losses_cp.py",
+    "test_megatron.py",
     "test_normalizer_distributed.py",
     "test_peers.py",
     "test_replay_parallel.py",
