@@ -283,33 +283,43 @@ def _head_case(rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool) 
         )  # fmt: skip
 
 
-def _schedule_case(rank: int, per_token: bool) -> None:
-    """Megatron's own schedule (get_forward_backward_func) over two micro-batches drives
-    policy_loss_step: the step's gradients equal the composed policy_loss of both micro-batches
-    with the same step normalizer (float64 truth beside)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def _example():
+    """examples/megatron_step.py, whose train_step is docs/megatron.md's recipe."""
+    import importlib.util
+    from pathlib import Path
 
+    path = Path(__file__).resolve().parents[1] / "examples" / "megatron_step.py"
+    spec = importlib.util.spec_from_file_location("megatron_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _schedule_case(rank: int, per_token: bool, sp: bool) -> None:
+    """docs/megatron.md's recipe (examples/megatron_step.train_step): Megatron's own schedule
+    (get_forward_backward_func) over two micro-batches drives policy_loss_step; the step's
+    gradients equal the composed policy_loss of both micro-batches with the same step
+    normalizer (float64 truth beside)."""
     from logitless.integrations import megatron
 
-    model, truth, _ = _setup(2, 1, False)
+    example = _example()
+    model, truth, _ = _setup(2, 1, sp)
     head = megatron.megatron_head(model)
     batches = [_dense_batch(seed=s) for s in (3, 4)]
     masks = [megatron.token_layout(head, b["labels"], b["loss_mask"])[0] for b in batches]
     norm = megatron.step_normalizer(
         masks, [b["document_ids"] for b in batches], calculate_per_token_loss=per_token
     )
-    inputs = []
+    micro_batches = []
     for b, m in zip(batches, masks, strict=True):
         with torch.no_grad():
             logp = megatron.logprobs(model, *_model_inputs(b), b["labels"], loss_mask=m)
-        inputs.append(_loss_inputs(b, logp.logprobs))
-
-    def forward_step(data_iterator, model):
-        b, inp = next(data_iterator)
-        return megatron.policy_loss_step(
-            model, *_model_inputs(b), b["labels"], inp, config=CONFIG, normalizer=norm,
-            num_microbatches=len(batches), calculate_per_token_loss=per_token,
-            loss_mask=b["loss_mask"],
+        inp = _loss_inputs(b, logp.logprobs)
+        micro_batches.append(
+            dict(tokens=b["input_ids"], position_ids=b["position_ids"], attention_mask=None,
+                 labels=b["labels"], loss_mask=b["loss_mask"], packed_seq_params=None,
+                 old_logprobs=inp.old_logprobs, advantages=inp.advantages,
+                 document_ids=inp.document_ids, mask=inp.mask)
         )  # fmt: skip
 
     def finalize(models, num_tokens, **kwargs):  # what finalize_model_grads does to the grads
@@ -320,19 +330,19 @@ def _schedule_case(rank: int, per_token: bool) -> None:
 
     model.config.calculate_per_token_loss = per_token
     model.config.finalize_model_grads_func = finalize
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(list(zip(batches, inputs, strict=True))),
-        model=model, num_microbatches=len(batches), seq_length=16, micro_batch_size=2,
-        forward_only=False,
-    )  # fmt: skip
+    example.train_step(model, micro_batches, per_token=per_token)
     ours = _grads(model)
 
     def composed(m) -> dict:
-        for b, inp in zip(batches, inputs, strict=True):
-            logp = _megatron_path(m, b)[0]
+        for mb in micro_batches:
+            batch = dict(input_ids=mb["tokens"], position_ids=mb["position_ids"],
+                         labels=mb["labels"], loss_mask=mb["loss_mask"],
+                         packed_seq_params=None, document_ids=mb["document_ids"])  # fmt: skip
+            logp = _megatron_path(m, batch)[0]
             loss, _ = logitless.policy_loss(
-                logp, inp.old_logprobs.to(logp.dtype), inp.advantages.to(logp.dtype), inp.mask,
-                config=CONFIG, document_ids=inp.document_ids, normalizer=norm,
+                logp, mb["old_logprobs"].to(logp.dtype), mb["advantages"].to(logp.dtype),
+                mb["mask"], config=example.config, document_ids=mb["document_ids"],
+                normalizer=norm,
             )  # fmt: skip
             loss.backward()
         return _grads(m)
@@ -487,8 +497,8 @@ def _checks_of(world: int) -> list[tuple[str, tuple]]:
 
 EXTRA_CHECKS: dict[int, list[tuple[str, tuple]]] = {
     2: [
-        ("schedule", (False,)),
-        ("schedule:per_token", (True,)),
+        ("schedule", (False, False)),
+        ("schedule:per_token_sp", (True, True)),
         ("divergence", ()),
         ("errors", ()),
     ],
@@ -522,10 +532,11 @@ def test_head_tensor_and_context_parallel(four_ranks):
     _passed(four_ranks, "head:tp2_cp2_sp_packed")
 
 
-@pytest.mark.parametrize("name", ["schedule", "schedule:per_token"])
+@pytest.mark.parametrize("name", ["schedule", "schedule:per_token_sp"])
 def test_forward_backward_func_drives_the_step(two_ranks, name):
-    """Megatron's get_forward_backward_func over two micro-batches (calculate_per_token_loss
-    off, and on with finalize_model_grads' division) gives the step normalizer's gradients."""
+    """docs/megatron.md's recipe: Megatron's get_forward_backward_func over two micro-batches
+    (TP=2; then with sequence parallelism, calculate_per_token_loss and finalize_model_grads'
+    division) gives the step normalizer's gradients."""
     _passed(two_ranks, name)
 
 
