@@ -107,12 +107,8 @@ def megatron_head(model: nn.Module) -> MegatronHead:
     The first call for a model builds its :class:`~logitless.VocabParallel` (a collective call
     over the tensor-parallel group: every rank makes it); later calls reuse it.
     """
-    from megatron.core.models.gpt import GPTModel
-
-    outer, inner = model, model
-    while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module):
-        inner = inner.module
-    if not isinstance(inner, GPTModel):
+    outer, inner = model, _gpt_model(model)
+    if inner is None:
         raise ValueError(
             f"model must be a megatron.core GPTModel (or a Megatron DDP / Float16Module around "
             f"one), got {type(model).__name__}"
@@ -158,6 +154,16 @@ def megatron_head(model: nn.Module) -> MegatronHead:
         cp_rank=cp_group.rank() if cp_size > 1 else 0,
         cp_size=cp_size,
     )
+
+
+def _gpt_model(model: nn.Module) -> nn.Module | None:
+    """The GPTModel inside Megatron's wrappers (DDP, Float16Module: ``.module``), or None."""
+    from megatron.core.models.gpt import GPTModel
+
+    inner = model
+    while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module):
+        inner = inner.module
+    return inner if isinstance(inner, GPTModel) else None
 
 
 def _agree(head: MegatronHead, error: ValueError | None, what: str) -> None:
@@ -430,10 +436,7 @@ def policy_loss(
     over the context-parallel group and the loss is this rank's share.
     """
     head = megatron_head(model)
-    mask, doc = token_layout(head, labels, loss_mask, packed_seq_params)
-    if inputs.document_ids is None and doc is not None:
-        inputs = inputs.replace(document_ids=doc)
-    target = _masked_labels(labels, mask)
+    layout = token_layout(head, labels, loss_mask, packed_seq_params)
     args, kwargs = _model_args(
         input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
     )
@@ -444,11 +447,18 @@ def policy_loss(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
     )
+    return _policy_loss(head, layout, args, kwargs, labels, inputs, options)
+
+
+def _policy_loss(head, layout, args, kwargs, labels, inputs, options):
+    mask, doc = layout
+    if inputs.document_ids is None and doc is not None:
+        inputs = inputs.replace(document_ids=doc)
     return _run_head(
         head,
         args,
         kwargs,
-        target,
+        _masked_labels(labels, mask),
         lambda tokens, w: seam.policy_loss(tokens, w, inputs, head.parallel, **options),
     )
 
@@ -557,7 +567,10 @@ def policy_loss_step(
     calculate_per_token_loss: bool = False,
     loss_mask: torch.Tensor | None = None,
     packed_seq_params: Any = None,
-    **options: Any,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+    **model_kwargs: Any,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
     """What a ``forward_step`` returns: ``(output_tensor, loss_func)``.
 
@@ -567,32 +580,33 @@ def policy_loss_step(
     schedule's own normalization (a division by ``num_tokens`` and ``num_microbatches``, or,
     with ``calculate_per_token_loss``, ``finalize_model_grads`` dividing by the step's tokens)
     the gradients are those of ``normalizer``'s step loss. On other stages it returns the
-    model's output and a ``loss_func`` the schedule never calls.
+    model's output and a ``loss_func`` the schedule never calls. The other arguments are
+    :func:`policy_loss`'s.
     """
-    from megatron.core.models.gpt import GPTModel
-
-    inner = model
-    while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module):
-        inner = inner.module
-    if isinstance(inner, GPTModel) and not inner.post_process:
-        out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+    inner = _gpt_model(model)
+    if inner is not None and not inner.post_process:
+        out = model(
+            input_ids,
+            position_ids,
+            attention_mask,
+            packed_seq_params=packed_seq_params,
+            **model_kwargs,
+        )
         return out, _never_called
     head = megatron_head(model)
-    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
-    loss, metrics = policy_loss(
-        model,
-        input_ids,
-        position_ids,
-        attention_mask,
-        labels,
-        inputs,
+    layout = token_layout(head, labels, loss_mask, packed_seq_params)
+    args, kwargs = _model_args(
+        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
+    )
+    options = dict(
         config=config,
         normalizer=normalizer,
-        loss_mask=loss_mask,
-        packed_seq_params=packed_seq_params,
-        **options,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        head_dtype=head_dtype,
     )
-    num_tokens = mask.sum().to(torch.int)
+    loss, metrics = _policy_loss(head, layout, args, kwargs, labels, inputs, options)
+    num_tokens = layout[0].sum().to(torch.int)
     if calculate_per_token_loss:
         scale = torch.as_tensor(normalizer.num_tokens, dtype=loss.dtype, device=loss.device)
     else:
