@@ -400,6 +400,36 @@ def _divergence_case(rank: int) -> None:
         f = FLOOR if name == "div" else _param_floor(batch)
         assert_no_worse_than_reference(ours[name], ref[name], exact[name], name, floor=f)
 
+    # the fused policy loss with the distillation term from the teacher GPTModel equals the
+    # composed policy_loss(..., divergence=) on both models' logits
+    distill = logitless.PolicyLossConfig(distill_coef=0.3, distill_beta=beta)
+    with torch.no_grad():
+        inputs = _loss_inputs(batch, _megatron_path(model, batch)[0])
+    loss, _ = megatron.policy_loss(
+        model, *_model_inputs(batch), batch["labels"], inputs, config=distill, teacher=teacher,
+        loss_mask=batch["loss_mask"],
+    )  # fmt: skip
+    loss.backward()
+    fused = dict(loss=loss.detach(), **_grads(model))
+
+    def composed(student, teach) -> dict:
+        logp = _megatron_path(student, batch)[0]
+        loss, _ = logitless.policy_loss(
+            logp, inputs.old_logprobs.to(logp.dtype), inputs.advantages.to(logp.dtype),
+            inputs.mask, config=distill, document_ids=inputs.document_ids,
+            divergence=reference(student, teach),
+        )  # fmt: skip
+        loss.backward()
+        return dict(loss=loss.detach(), **_grads(student))
+
+    ref, exact = composed(model, teacher), composed(truth, teacher64)
+    assert set(fused) == set(ref) == set(exact)
+    for name in ref:
+        f = FLOOR if name == "loss" else _param_floor(batch)
+        assert_no_worse_than_reference(
+            fused[name], ref[name], exact[name], f"fused {name}", floor=f
+        )
+
 
 def _errors_case(rank: int) -> None:
     """Bad input: a ValueError in Megatron's terms, on every rank (never a hang)."""
@@ -541,6 +571,8 @@ def test_forward_backward_func_drives_the_step(two_ranks, name):
 
 
 def test_divergence_to_a_teacher_gpt_model(two_ranks):
+    """megatron.divergence, and policy_loss(teacher=) with the distillation term, vs both
+    models' gathered logits and float64 (TP=2 with sequence parallelism)."""
     _passed(two_ranks, "divergence")
 
 

@@ -419,6 +419,7 @@ def policy_loss(
     *,
     config: PolicyLossConfig | None = None,
     normalizer: LossNormalizer | None = None,
+    teacher: nn.Module | None = None,
     loss_mask: torch.Tensor | None = None,
     packed_seq_params: Any = None,
     temperature: float | torch.Tensor = 1.0,
@@ -433,7 +434,10 @@ def policy_loss(
     ``inputs``: the per-token loss inputs ``[B, S]`` like the labels (advantages per token, or
     per sequence with a packed batch's ``document_ids``, which default to the sequences of
     ``packed_seq_params``). Under context parallelism the per-document statistics are summed
-    over the context-parallel group and the loss is this rank's share.
+    over the context-parallel group and the loss is this rank's share. ``teacher``: a
+    teacher ``GPTModel`` (the student's tensor-parallel split) for the distillation term
+    (``config.distill_coef``, ``distill_beta``), run first without gradient inside its own
+    ``output_layer``'s forward; or pass ``inputs.teacher`` yourself.
     """
     head = megatron_head(model)
     layout = token_layout(head, labels, loss_mask, packed_seq_params)
@@ -447,18 +451,23 @@ def policy_loss(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
     )
-    return _policy_loss(head, layout, args, kwargs, labels, inputs, options)
+    return _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher)
 
 
-def _policy_loss(head, layout, args, kwargs, labels, inputs, options):
+def _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher):
     mask, doc = layout
     if inputs.document_ids is None and doc is not None:
         inputs = inputs.replace(document_ids=doc)
+    target = _masked_labels(labels, mask)
+    if teacher is not None:
+        t_tokens, t_head = _run_teacher(head, teacher, args, kwargs, target)
+        with torch.no_grad():
+            inputs = inputs.replace(teacher=t_head.as_teacher(t_tokens.aligned(head.parallel)))
     return _run_head(
         head,
         args,
         kwargs,
-        _masked_labels(labels, mask),
+        target,
         lambda tokens, w: seam.policy_loss(tokens, w, inputs, head.parallel, **options),
     )
 
@@ -485,20 +494,12 @@ def divergence(
     convention, :func:`logitless.linear_divergence`). The teacher runs first, without
     gradient, inside its own ``output_layer``'s forward."""
     head = megatron_head(model)
-    t_head = megatron_head(teacher)
-    if t_head.tp_size != head.tp_size or t_head.cp_size != head.cp_size:
-        raise ValueError(
-            "the teacher must have the student's tensor_model_parallel_size and "
-            f"context_parallel_size, got {t_head.tp_size}/{t_head.cp_size} vs "
-            f"{head.tp_size}/{head.cp_size}"
-        )
     mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
     target = _masked_labels(labels, mask)
     args, kwargs = _model_args(
         input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
     )
-    with torch.no_grad():
-        t_tokens, t_weight = _run_head(t_head, args, kwargs, target, lambda t, w: (t, w))
+    t_tokens, t_weight = _run_teacher(head, teacher, args, kwargs, target)
     options = dict(
         beta=beta,
         temperature=temperature,
@@ -513,6 +514,20 @@ def divergence(
         target,
         lambda tokens, w: seam.divergence(tokens, w, t_tokens, t_weight, head.parallel, **options),
     )
+
+
+def _run_teacher(head: MegatronHead, teacher: nn.Module, args, kwargs, target):
+    """The teacher GPTModel's hidden states and head, from its own forward, without gradient:
+    ``(Tokens, Head)`` in its layout."""
+    t_head = megatron_head(teacher)
+    if t_head.tp_size != head.tp_size or t_head.cp_size != head.cp_size:
+        raise ValueError(
+            "the teacher must have the student's tensor_model_parallel_size and "
+            f"context_parallel_size, got {t_head.tp_size}/{t_head.cp_size} vs "
+            f"{head.tp_size}/{head.cp_size}"
+        )
+    with torch.no_grad():
+        return _run_head(t_head, args, kwargs, target, lambda t, w: (t, w))
 
 
 # --- Megatron's pipeline schedule ---------------------------------------------------------
@@ -564,6 +579,7 @@ def policy_loss_step(
     config: PolicyLossConfig | None,
     normalizer: LossNormalizer,
     num_microbatches: int,
+    teacher: nn.Module | None = None,
     calculate_per_token_loss: bool = False,
     loss_mask: torch.Tensor | None = None,
     packed_seq_params: Any = None,
@@ -605,7 +621,7 @@ def policy_loss_step(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
     )
-    loss, metrics = _policy_loss(head, layout, args, kwargs, labels, inputs, options)
+    loss, metrics = _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher)
     num_tokens = layout[0].sum().to(torch.int)
     if calculate_per_token_loss:
         scale = torch.as_tensor(normalizer.num_tokens, dtype=loss.dtype, device=loss.device)

@@ -258,8 +258,10 @@ class Head:
         return {"bias": self.bias, "logit_scale": self.logit_scale, "softcap": self.softcap}
 
     def as_teacher(self, hidden: torch.Tensor) -> TeacherHead:
-        """This head as the ``teacher=`` of :func:`logitless.fused_policy_loss`."""
-        return TeacherHead(hidden, self.weight, self.bias, self.logit_scale, self.softcap)
+        """This head as the ``teacher=`` of :func:`logitless.fused_policy_loss` (frozen: its
+        weight and bias detached)."""
+        bias = None if self.bias is None else self.bias.detach()
+        return TeacherHead(hidden, self.weight.detach(), bias, self.logit_scale, self.softcap)
 
 
 @dataclass(frozen=True)
