@@ -467,6 +467,14 @@ def _errors_case(rank: int) -> None:
     raises("multi-token prediction (mtp_num_layers=1)", None,
            lambda: megatron.logprobs(model, *args, batch["labels"]))  # fmt: skip
     model.config.mtp_num_layers = None
+    # the logits gathered over the TP ranks (parallel_output=False), a stage that is not the last
+    model.output_layer.gather_output = True
+    raises("parallel_output=True", None, lambda: megatron.logprobs(model, *args, batch["labels"]))
+    model.output_layer.gather_output = False
+    model.post_process = False
+    raises("the last pipeline stage (post_process=True)", None,
+           lambda: megatron.logprobs(model, *args, batch["labels"]))  # fmt: skip
+    model.post_process = True
 
     model, _, _ = _setup(2, 1, True)  # sequence parallelism: S must split over the TP ranks
     odd = {k: v[:, :15] for k, v in batch.items() if k in ("input_ids", "labels")}
