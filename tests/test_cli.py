@@ -65,3 +65,16 @@ def test_bench_help_lists_every_task_and_its_methods(capsys: pytest.CaptureFixtu
     for task, methods in TASKS.items():
         assert f"{task}: {' '.join(TASK_SUMMARY[task].split())}" in text
         assert f"{task}: {', '.join(methods)}" in text
+
+
+def test_bench_default_methods_leave_out_torch_lce_on_cpu() -> None:
+    """PyTorch's chunked head takes 11x naive's time on a 2-core CPU: a default CPU run leaves
+    it out (named, it runs); on CUDA it is a default method."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cpu = cli._selected_methods(parser, argparse.Namespace(task="logprobs", device="cpu"))
+    gpu = cli._selected_methods(parser, argparse.Namespace(task="logprobs", device="cuda"))
+    assert "torch_lce" not in cpu and "torch_lce" in gpu and "naive" in cpu
+    named = argparse.Namespace(task="logprobs", device="cpu", methods=["naive,torch_lce"])
+    assert cli._selected_methods(parser, named) == ["naive", "torch_lce"]

@@ -81,7 +81,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="METHOD",
         default=argparse.SUPPRESS,
-        help=f"methods to run (space or comma separated); default: all of the task's ({methods})",
+        help="methods to run (space or comma separated); default: all of the task's "
+        f"({methods}), but torch_lce on a CPU",
     )
     p.add_argument(
         "--tokens", type=_positive_int, nargs="+", default=[1024], help="N; several = sweep"
@@ -137,7 +138,7 @@ def _selected_methods(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
     known = list(TASKS[args.task])
     if not getattr(args, "methods", None):
-        return known
+        return [m for m in known if TASKS[args.task][m].by_default(args.device)]
     names = [n for item in args.methods for n in item.split(",") if n]
     unknown = [n for n in names if n not in known]
     if unknown or not names:

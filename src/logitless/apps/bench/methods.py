@@ -33,6 +33,8 @@ class Method:
     build: inputs -> step; may raise.
     unavailable: workload -> reason this method cannot run here, or None.
     note: caveat shown in the table and the CSV (e.g. "log-probs only").
+    by_default: device ("cpu", "cuda", ...) -> whether a run without ``--methods`` includes
+        it (a method too slow there to time in the default run is named to run).
     """
 
     name: str
@@ -40,6 +42,7 @@ class Method:
     build: Callable[[Workload, Inputs], Step]
     unavailable: Callable[[Workload], str | None] = lambda work: None
     note: Callable[[Workload], str] = lambda work: ""
+    by_default: Callable[[str], bool] = lambda device: True
 
 
 def _backward(inputs: Inputs, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> None:
@@ -610,6 +613,8 @@ TASKS: dict[str, dict[str, Method]] = {
                 _build_torch_lce,
                 unavailable=_torch_lce_unavailable,
                 note=lambda w: "F.linear_cross_entropy, chunked options; log-probs only",
+                # 11x naive's time on a 2-core CPU (docs/benchmarks.md): named to run there
+                by_default=lambda device: not device.startswith("cpu"),
             ),
         )
     },
