@@ -95,8 +95,11 @@ _MIN_VOCAB_BLOCK = 256
 _BLOCK_ALIGN = 64
 # The batch-invariant mode's row block: every tile projects exactly this many rows (the last
 # block padded), so the BLAS sees one M whatever the call (it picks its kernel, and its thread
-# split, by M). Large enough to keep the projection compute-bound while the weight streams by.
-_INVARIANT_ROWS = {"cpu": 128}
+# split, by M). Large enough to keep the projection compute-bound while the weight streams by:
+# on CPU the default mode's full row chunk (512), whose tiles are then the default's (128 rows
+# measured 1.18x the default mode's time at the bench's default shape, the weight streamed
+# four times as often; 512: see docs/benchmarks.md).
+_INVARIANT_ROWS = {"cpu": 512}
 _INVARIANT_ROWS_DEFAULT = 256
 # Elements of the [rows, V] fp32 buffer of the gradient-in-forward (fused) path: 256 MiB on CPU
 # (the weight gradient of a 150k x 512 head is another 300 MiB), 1 GiB on accelerators.
