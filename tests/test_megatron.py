@@ -528,6 +528,40 @@ CHECKS: dict = {
 }
 
 
+def _invariant_case(rank: int) -> None:
+    """``batch_invariant=True``: a token's log-prob and entropy are the same bits whether the
+    call scores every token or a few (TP=2), and the fused loss's ratio on log-probs recorded
+    over the whole batch is exactly 1.0."""
+    from logitless.integrations import megatron
+
+    model, _, _ = _setup(2, 1, False)
+    batch = _batch(2, 1, False, False)
+    few = torch.zeros_like(batch["loss_mask"])
+    few[:, -3:] = 1
+    with torch.no_grad():
+        full = megatron.logprobs(model, *_model_inputs(batch), batch["labels"],
+                                 loss_mask=batch["loss_mask"], with_entropy=True,
+                                 batch_invariant=True)  # fmt: skip
+        part = megatron.logprobs(model, *_model_inputs(batch), batch["labels"], loss_mask=few,
+                                 with_entropy=True, batch_invariant=True)  # fmt: skip
+    keep = few.bool() & batch["loss_mask"].bool()
+    assert keep.any()
+    for a, b in ((full.logprobs, part.logprobs), (full.entropy, part.entropy)):
+        assert torch.equal(a[keep].view(torch.int32), b[keep].view(torch.int32)), rank
+    from logitless.integrations.seam import LossInputs
+
+    inputs = LossInputs(old_logprobs=full.logprobs, advantages=batch["advantages"], mask=keep,
+                        document_ids=batch["document_ids"])  # fmt: skip
+    _, metrics = megatron.policy_loss(
+        model, *_model_inputs(batch), batch["labels"], inputs, config=CONFIG,
+        loss_mask=keep.to(batch["loss_mask"].dtype), batch_invariant=True,
+    )  # fmt: skip
+    assert float(metrics["ratio_min"]) == 1.0 == float(metrics["ratio_max"]), metrics
+
+
+CHECKS["invariant"] = _invariant_case
+
+
 def _checks_of(world: int) -> list[tuple[str, tuple]]:
     heads = [(f"head:{k}", v) for k, v in HEAD_CASES.items() if v[0] * v[1] == world]
     return heads + EXTRA_CHECKS.get(world, [])
@@ -539,6 +573,7 @@ EXTRA_CHECKS: dict[int, list[tuple[str, tuple]]] = {
         ("schedule:per_token_sp", (True, True)),
         ("divergence", ()),
         ("errors", ()),
+        ("invariant", ()),
     ],
 }
 
@@ -582,6 +617,12 @@ def test_divergence_to_a_teacher_gpt_model(two_ranks):
     """megatron.divergence, and policy_loss(teacher=) with the distillation term, vs both
     models' gathered logits and float64 (TP=2 with sequence parallelism)."""
     _passed(two_ranks, "divergence")
+
+
+def test_batch_invariant_bits_and_ratio(two_ranks):
+    """batch_invariant=True through the Megatron head under TP=2: a token's bits do not depend
+    on which other tokens are scored; the loss's ratio on unchanged weights is exactly 1.0."""
+    _passed(two_ranks, "invariant")
 
 
 def test_bad_input_raises_on_every_rank(two_ranks):

@@ -374,6 +374,7 @@ def logprobs(
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of ``labels`` under ``model``: ``[B, S]`` fp32.
@@ -386,7 +387,8 @@ def logprobs(
     with 0 where ``loss_mask`` is 0 and at a packed batch's padding; entropy is that of the
     (tensor-parallel-gathered) softmax. Arguments as ``GPTModel.forward`` takes them;
     ``model_kwargs`` go to it unchanged. Gradients reach ``output_layer``'s weight (or the
-    tied embedding) and every decoder parameter.
+    tied embedding) and every decoder parameter. ``batch_invariant``: as in
+    :func:`logitless.linear_logprobs` (for a fixed tensor-parallel size).
     """
     head = megatron_head(model)
     mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
@@ -399,6 +401,7 @@ def logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         head_dtype=head_dtype,
+        batch_invariant=batch_invariant,
     )
     return _run_head(
         head,
@@ -425,6 +428,7 @@ def policy_loss(
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The fused policy loss of ``model`` on one micro-batch: ``(loss, metrics)`` of
@@ -437,7 +441,8 @@ def policy_loss(
     over the context-parallel group and the loss is this rank's share. ``teacher``: a
     teacher ``GPTModel`` (the student's tensor-parallel split) for the distillation term
     (``config.distill_coef``, ``distill_beta``), run first without gradient inside its own
-    ``output_layer``'s forward; or pass ``inputs.teacher`` yourself.
+    ``output_layer``'s forward; or pass ``inputs.teacher`` yourself. ``batch_invariant``:
+    the log-probs inside the loss are :func:`logprobs`'s with it, bit for bit.
     """
     head = megatron_head(model)
     layout = token_layout(head, labels, loss_mask, packed_seq_params)
@@ -450,6 +455,7 @@ def policy_loss(
         temperature=temperature,
         chunk_size=chunk_size,
         head_dtype=head_dtype,
+        batch_invariant=batch_invariant,
     )
     return _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher)
 
@@ -487,6 +493,7 @@ def divergence(
     with_logprobs: bool = False,
     with_entropy: bool = False,
     chunk_size: int | None = None,
+    batch_invariant: bool = False,
     **model_kwargs: Any,
 ) -> Divergence:
     """The per-token divergence from ``teacher`` (a ``GPTModel`` with the same
@@ -506,6 +513,7 @@ def divergence(
         with_logprobs=with_logprobs,
         with_entropy=with_entropy,
         chunk_size=chunk_size,
+        batch_invariant=batch_invariant,
     )
     return _run_head(
         head,
