@@ -27,11 +27,10 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _step_timing import run_worker, time_step
 
 RESULT = "TRL_STEP_RESULT "
 VARIANTS = ("trl", "logitless")
@@ -110,8 +109,6 @@ def _inputs(args: argparse.Namespace):
 def _worker(variant: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from logitless.apps.memory import CpuPeakMemory, _proc_status_kib
-
     torch.set_num_threads(args.threads)
     trainer = _trainer(variant, args)
     inputs = _inputs(args)
@@ -122,34 +119,13 @@ def _worker(variant: str, args: argparse.Namespace) -> dict:
         loss.backward()
         return float(loss)
 
-    loss = step()  # warm-up
-    trainer.model.zero_grad(set_to_none=True)
-    probe = CpuPeakMemory()
-    probe.start()
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {
-        "variant": variant,
-        "loss": loss,
-        "time_median_s": statistics.median(times),
-        "times_s": times,
-        "peak_extra_mb": probe.peak_extra_bytes() / 2**20,
-        "hwm_mb": (_proc_status_kib("VmHWM") or 0) / 1024,
-        "note": probe.note,
-    }
+    return time_step(
+        variant, step, lambda: trainer.model.zero_grad(set_to_none=True), args.repeats
+    )
 
 
 def _run(variant: str, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
-    if not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise SystemExit(f"{variant} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(lines[-1][len(RESULT) :])
+    return run_worker(__file__, RESULT, variant, argv)
 
 
 def main() -> None:
