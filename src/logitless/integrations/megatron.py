@@ -354,6 +354,18 @@ def _masked_labels(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, labels, IGNORE_INDEX)
 
 
+def _prepare(model, input_ids, position_ids, attention_mask, labels, loss_mask,
+             packed_seq_params, model_kwargs):  # fmt: skip
+    """What :func:`logprobs` and :func:`divergence` start from: the model's head, the labels
+    masked to the tokens trained on, and the arguments of ``GPTModel.forward``."""
+    head = megatron_head(model)
+    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
+    args, kwargs = _model_args(
+        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
+    )
+    return head, _masked_labels(labels, mask), args, kwargs
+
+
 def _model_args(input_ids, position_ids, attention_mask, packed_seq_params, kwargs):
     return (input_ids, position_ids, attention_mask), {
         "packed_seq_params": packed_seq_params,
@@ -390,12 +402,10 @@ def logprobs(
     tied embedding) and every decoder parameter. ``batch_invariant``: as in
     :func:`logitless.linear_logprobs` (for a fixed tensor-parallel size).
     """
-    head = megatron_head(model)
-    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
-    target = _masked_labels(labels, mask)
-    args, kwargs = _model_args(
-        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
-    )
+    head, target, args, kwargs = _prepare(
+        model, input_ids, position_ids, attention_mask, labels, loss_mask, packed_seq_params,
+        model_kwargs,
+    )  # fmt: skip
     options = dict(
         with_entropy=with_entropy,
         temperature=temperature,
@@ -500,12 +510,10 @@ def divergence(
     tensor-parallel vocabulary split) to ``model``, ``[B, S]`` fp32 (TRL's ``beta``
     convention, :func:`logitless.linear_divergence`). The teacher runs first, without
     gradient, inside its own ``output_layer``'s forward."""
-    head = megatron_head(model)
-    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
-    target = _masked_labels(labels, mask)
-    args, kwargs = _model_args(
-        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
-    )
+    head, target, args, kwargs = _prepare(
+        model, input_ids, position_ids, attention_mask, labels, loss_mask, packed_seq_params,
+        model_kwargs,
+    )  # fmt: skip
     t_tokens, t_weight = _run_teacher(head, teacher, args, kwargs, target)
     options = dict(
         beta=beta,
