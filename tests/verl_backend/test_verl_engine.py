@@ -201,8 +201,11 @@ def _ulysses_worker(rank, world, seqs):
     model = tiny_model(layers=0)
     g, e, _ = _upstream(seqs)
     out = {}
-    for backend in ("logitless", "torch"):
-        mod = fully_shard(patched(model, backend, sp=world), mesh=mesh)
+    for backend in ("logitless", "torch", "logitless, lm_head unit"):
+        mod = patched(model, backend.split(",")[0], sp=world)
+        if backend.endswith("unit"):  # lm_head an FSDP2 unit of its own (accelerate's way):
+            fully_shard(mod.lm_head, mesh=mesh)  # its weight exists only inside its forward
+        mod = fully_shard(mod, mesh=mesh)
         lp, ent, grads = forward_step(engine(mod, sp=world, group=group), micro_batch(seqs), g, e)
         out[backend] = (lp, ent, {n: t.full_tensor() for n, t in grads.items()})
     return out
@@ -220,8 +223,12 @@ def test_ulysses_two_ranks_under_fsdp2_equal_one_process():
         for i in range(2):
             torch.testing.assert_close(r["logitless"][i], one[i], rtol=0, atol=0)
             torch.testing.assert_close(r["logitless"][i], r["torch"][i], rtol=1e-5, atol=1e-6)
+            # the head run inside lm_head's own unit: the same rows, bit for bit
+            torch.testing.assert_close(r["logitless, lm_head unit"][i], one[i], rtol=0, atol=0)
         # verl's gather scales each rank's gradient by the group size, FSDP2 averages over the
         # mesh: the reduced gradient is the one-process gradient
         for n in truth[2]:
             refs = {"unfused, 1 process": unfused[2][n], "torch backend": r["torch"][2][n]}
             _check(f"grad {n}", r["logitless"][2][n], refs, truth[2][n])
+            unit = r["logitless, lm_head unit"][2][n]
+            _check(f"grad {n} (lm_head unit)", unit, refs, truth[2][n])

@@ -47,8 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..contract.options import HeadOptions, SamplerOptions
-from . import hf
+from . import hf, seam
 
 __all__ = ["BACKENDS", "install", "installed", "uninstall", "use", "verl_forward"]
 
@@ -165,7 +164,13 @@ def verl_forward(
     ``log_probs`` and ``entropy`` of the labels' shape), from the model's backbone and its head
     weight without the ``[tokens, vocab]`` logits. Labels: ``shift_labels`` as given, else
     ``labels`` or ``input_ids`` rolled by -1 along the last dimension (verl's rule); positions
-    where ``attention_mask`` is 0 hold 0.0. ``batch_invariant``: :class:`HeadOptions`'.
+    where ``attention_mask`` is 0 hold 0.0. ``batch_invariant``: as in
+    :func:`logitless.linear_logprobs`.
+
+    The head call is the seam's (:mod:`logitless.integrations.seam`): the backbone's hidden
+    states and the labels are :class:`~seam.Tokens`, ``lm_head``'s parameters and the model's
+    logit transform a :class:`~seam.Head`, and :func:`seam.logprobs` runs inside ``lm_head``'s
+    own forward (:func:`seam.run_as_forward`), so an FSDP2 unit of its own is gathered for it.
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
@@ -188,6 +193,58 @@ def verl_forward(
             "rope position ids are multimodal models') are not supported; expected "
             f"{tuple(input_ids.shape)}"
         )
+    lm_head, softcap, scale = hf.check_model(model)
+    labels = _labels(input_ids, attention_mask, labels, shift_labels)
+    # The backbone as verl's own fused forwards call it (``forward_base_model``), no cache.
+    backbone = model.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    tokens = seam.Tokens(backbone.last_hidden_state, labels)
+    options = dict(
+        with_entropy=True,
+        temperature=temperature,
+        ignore_index=_IGNORE,
+        batch_invariant=batch_invariant,
+        head_dtype=_autocast_dtype(tokens.hidden.device),  # lm_head runs in it under autocast
+    )
+
+    def head_call(_hidden: torch.Tensor):  # as lm_head's forward: its parameters gathered
+        head = seam.Head(
+            lm_head.weight, lm_head.bias, logit_scale=None if scale == 1.0 else scale,
+            softcap=softcap,
+        )  # fmt: skip
+        with torch.autocast(tokens.hidden.device.type, enabled=False):
+            return seam.logprobs(tokens, head, _ULYSSES, **options)
+
+    _, out = seam.run_as_forward(
+        lm_head, head_call, lambda: lm_head(tokens.hidden), caller="verl_forward"
+    )
+    return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
+
+
+_IGNORE = -100
+
+#: The head's parallelism in verl's FSDP engine, with or without Ulysses: none of its own.
+#: Ulysses hands each rank a contiguous slice of the packed row at full width and its slice of
+#: the globally rolled labels, with the whole vocabulary: the head is token-local, so each rank
+#: scores its own rows. It is not the seam's ``SequenceParallel`` (gathering the hidden states
+#: would score every token on every rank; verl's engine gathers the *outputs* and scales their
+#: gradient itself), and its ``ContextParallel(group, "contiguous")`` description only matters
+#: to a loss's per-document statistics, which verl computes from the gathered log-probs.
+_ULYSSES = seam.Parallelism()
+
+
+def _labels(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+) -> torch.Tensor:
+    """verl's targets (``shift_labels``; else ``labels`` or ``input_ids`` rolled by -1 along
+    the row), ignored where ``attention_mask`` is 0."""
     if shift_labels is not None:
         targets = shift_labels
     elif labels is not None:
@@ -195,18 +252,16 @@ def verl_forward(
     else:
         targets = torch.roll(input_ids, shifts=-1, dims=-1)
     targets = targets.to(torch.int64)
-    ignore = -100
     if attention_mask is not None:
-        targets = targets.masked_fill(~attention_mask.bool(), ignore)
-    options = HeadOptions(
-        temperature=temperature,
-        with_entropy=True,
-        ignore_index=ignore,
-        batch_invariant=batch_invariant,
-    )
-    batch = hf._ModelBatch(input_ids, attention_mask, position_ids, None, targets)
-    out = hf._logprobs_in_forward(model, batch, options, SamplerOptions(), {})
-    return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
+        targets = targets.masked_fill(~attention_mask.bool(), _IGNORE)
+    return targets
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``lm_head`` runs in under the autocast active on ``device`` (None: none)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 def _refuse(
