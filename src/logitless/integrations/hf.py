@@ -45,37 +45,47 @@ no ``attention_mask`` is given and no KV cache is used (the backbone runs with
 ``use_cache=False`` here, as training does); with an ``attention_mask`` they do not. Either
 way the head gives exactly what ``model(..., use_cache=False).logits`` would for the same
 arguments.
+
+**How it is built** (docs/development.md, "One seam for every integration"): this module holds
+the public entry points, which check their arguments and run the work as the outermost
+wrapper's forward; :mod:`~logitless.integrations.hf_model` says what an audited model hands
+the head (its :class:`~logitless.integrations.seam.Head`, the backbone call, the MoE router
+loss), :mod:`~logitless.integrations.hf_batch` builds the targets, and
+:mod:`~logitless.integrations.hf_seam` runs the head on them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import math
-import sys
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..contract.checks import fmt_shape as _shape
-from ..contract.checks import is_dtensor
-from ..contract.head import HeadCall, check_head_call, with_hidden
 from ..contract.options import Backend, HeadOptions, SamplerOptions
 from ..losses import LossNormalizer, PolicyLossConfig
-from ..ops.divergence.op import linear_divergence
-from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call, teacher_divergence
-from ..ops.logprobs.op import logprobs_of_call
-from ..packing import (
-    cu_seqlens_to_position_ids,
-    labels_within_documents,
-    next_token_labels,
-    position_documents,
-)
 from ..sampling import SamplingMask
-from ..types import Divergence, LogProbs, TeacherHead
-from .wrappers import FSDPModule, run_in_forward, unwrap
+from ..types import Divergence, LogProbs
+from . import hf_seam
+from .hf_batch import (
+    MASK_DTYPES,
+    POS_DTYPES,
+    ModelBatch,
+    batch_labels,
+    check_input_ids,
+    check_like_ids,
+)
+from .hf_model import (
+    SUPPORTED_MODELS,
+    CausalLMHead,
+    autocast_dtype,  # noqa: F401  (a name of this module before the split; trl used it)
+    causal_lm_head,
+    causal_lm_router_aux_coef,
+    check_model,
+    run_backbone,
+)
+from .seam import LossInputs
+from .wrappers import run_in_forward
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -91,67 +101,6 @@ __all__ = [
     "run_in_forward",
 ]
 
-
-class CausalLMHead(NamedTuple):
-    """The LM head of a causal LM as the head op takes it.
-
-    The model's logits are ``softcap(F.linear(h, weight, bias) * logit_scale)``, where
-    ``softcap(z) = c·tanh(z / c)`` when ``softcap`` is a float ``c`` and the identity when None.
-
-    weight: ``[V, H]`` the head's Parameter itself (the input embedding's when tied).
-    bias: ``[V]`` or None.
-    softcap: Gemma-2/3 ``config.final_logit_softcapping``, or None.
-    logit_scale: Cohere's ``logit_scale``, ``1 / logits_scaling`` for Granite, else 1.0.
-    """
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    softcap: float | None
-    logit_scale: float
-
-
-def _no_transform(model: nn.Module) -> tuple[float | None, float]:
-    return None, 1.0
-
-
-def _gemma_softcap(model: nn.Module) -> tuple[float | None, float]:
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return (None if cap is None else float(cap)), 1.0
-
-
-def _cohere_scale(model: nn.Module) -> tuple[float | None, float]:
-    return None, float(model.logit_scale)
-
-
-def _granite_scale(model: nn.Module) -> tuple[float | None, float]:
-    return None, 1.0 / float(model.config.logits_scaling)
-
-
-# Class name -> what its forward applies after ``lm_head``. Each entry's forward (transformers
-# 5.23; Cohere2 and the MoE models: 5.24) is ``hidden = self.model(...).last_hidden_state;
-# logits = self.lm_head(hidden)`` plus the transform named here, and tests/test_hf.py checks
-# each against ``model(...).logits``. The MoE models' forwards add the router's
-# load-balancing loss (``causal_lm_router_aux_coef``); tests/test_hf_moe.py checks it.
-_AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
-    "LlamaForCausalLM": _no_transform,
-    "MistralForCausalLM": _no_transform,
-    "Qwen2ForCausalLM": _no_transform,
-    "Qwen3ForCausalLM": _no_transform,
-    "GemmaForCausalLM": _no_transform,
-    "Gemma2ForCausalLM": _gemma_softcap,
-    "Gemma3ForCausalLM": _gemma_softcap,
-    "Phi3ForCausalLM": _no_transform,
-    "Olmo2ForCausalLM": _no_transform,
-    "CohereForCausalLM": _cohere_scale,
-    "Cohere2ForCausalLM": _cohere_scale,
-    "GraniteForCausalLM": _granite_scale,
-    "Qwen2MoeForCausalLM": _no_transform,
-    "Qwen3MoeForCausalLM": _no_transform,
-    "MixtralForCausalLM": _no_transform,
-}
-
-#: Names of the transformers classes the functions of this module accept.
-SUPPORTED_MODELS: tuple[str, ...] = tuple(sorted(_AUDITED))
 
 # Backbone arguments the functions set themselves (or that would change which hidden states
 # come out): refused in ``**model_kwargs``.
@@ -174,232 +123,6 @@ _RESERVED_KWARGS = frozenset(
 
 # --------------------------------------------------------------------------------------------
 # model inspection
-
-
-def _audited_class(model: object) -> tuple[type, Callable]:
-    """The audited transformers class of ``model`` (possibly a base of its class)."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a transformers causal LM, got {type(model).__name__}")
-    for cls in type(model).__mro__:
-        if cls.__name__ in _AUDITED and cls.__module__.startswith("transformers.models."):
-            if type(model).forward is not cls.forward:
-                raise ValueError(
-                    f"{type(model).__name__} overrides {cls.__name__}.forward; logitless cannot "
-                    "know what its logits are. Call logitless.linear_logprobs on its final "
-                    "hidden states and head weight instead."
-                )
-            return cls, _AUDITED[cls.__name__]
-    if type(model).__name__ == "OptimizedModule" and isinstance(
-        getattr(model, "_orig_mod", None), nn.Module
-    ):
-        raise ValueError(
-            f"model is a torch.compile wrapper of {type(model._orig_mod).__name__}: logitless "
-            "calls the backbone (model.model) itself, so the compiled forward would never run. "
-            "Compile the backbone in place instead, `model.model.compile()` (or `model.model = "
-            "torch.compile(model.model)`), and pass the model itself (here: model._orig_mod)"
-        )
-    raise ValueError(
-        f"unsupported model {type(model).__name__}: logitless.integrations.hf handles "
-        f"{', '.join(SUPPORTED_MODELS)} (their logits are lm_head(final hidden states), with "
-        "Gemma's soft-capping or Cohere's / Granite's logit scale). For another model, call "
-        "logitless.linear_logprobs on its final hidden states and head weight after checking "
-        "what its forward does to the logits."
-    )
-
-
-def causal_lm_head(model: nn.Module) -> CausalLMHead:
-    """The head parameters and logit transforms of a supported transformers causal LM.
-
-    Returns the Parameters themselves (not copies), so gradients computed from them land in
-    the model's ``.grad``; a head tied to the input embedding returns the embedding's weight.
-
-    Raises:
-        ValueError: the model is not in :data:`SUPPORTED_MODELS`, overrides ``forward``, or
-            its output embedding is not a plain ``nn.Linear`` (a LoRA-wrapped or quantized
-            head, or one whose ``forward`` was replaced, e.g. by an offloading hook).
-
-    >>> import transformers
-    >>> cfg = transformers.Gemma2Config(vocab_size=100, hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    >>> head = causal_lm_head(transformers.Gemma2ForCausalLM(cfg))
-    >>> head.weight.shape, head.bias, head.softcap, head.logit_scale
-    (torch.Size([100, 16]), None, 30.0, 1.0)
-    """
-    head, softcap, scale = check_model(model)
-    if type(head.weight).__name__ == "DTensor":
-        raise ValueError(
-            "model.lm_head.weight is a sharded DTensor here. Under FSDP2, call the logitless "
-            "functions with the model itself (they run inside its forward, where the root's "
-            "parameters are gathered) and keep lm_head in the root's FSDP group (fully_shard "
-            "the decoder layers, then the model), not in an FSDP unit of its own"
-        )
-    return CausalLMHead(head.weight, head.bias, softcap, scale)
-
-
-def check_model(model: nn.Module) -> tuple[nn.Linear, float | None, float]:
-    """Every check of :func:`causal_lm_head` that reads no parameter (so it holds outside an
-    FSDP2 forward too); returns the head module, its softcap and its logit scale."""
-    model = unwrap(model).model
-    cls, transform = _audited_class(model)
-    head = model.get_output_embeddings()
-    if head is not getattr(model, "lm_head", None):
-        raise ValueError(
-            f"{type(model).__name__}.get_output_embeddings() is not model.lm_head, the module "
-            "its forward calls"
-        )
-    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
-        raise ValueError(
-            f"model.lm_head must be a plain torch.nn.Linear (logits = F.linear(h, W, b)), got "
-            f"{type(head).__name__}; a wrapped head (LoRA, quantization) is not supported"
-        )
-    if "forward" in vars(head):
-        raise ValueError(
-            "model.lm_head.forward was replaced on the instance (e.g. by an offloading or "
-            "device-placement hook); logitless reads lm_head.weight directly and cannot "
-            "reproduce it"
-        )
-    softcap, scale = transform(model)
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"{cls.__name__}: final_logit_softcapping must be > 0, got {softcap}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{cls.__name__}: the logit scale must be finite and > 0, got {scale}")
-    return head, softcap, scale
-
-
-def _stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A sharded parameter's dtype, device, global shape and requires_grad, without its
-    values (an expanded 0-dim tensor): enough for the head contract's checks."""
-    if t is None or not is_dtensor(t):
-        return t
-    zero = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
-    return zero.expand(t.shape)
-
-
-def _head_for_checks(model: nn.Module) -> CausalLMHead:
-    """The head as the checks before the backbone see it: the parameters themselves, or when
-    FSDP2 shards ``lm_head`` as a unit of its own (accelerate does), stand-ins of its gathered
-    parameters (the real ones exist inside its forward, see :func:`_with_head`)."""
-    head, softcap, scale = check_model(model)
-    if not isinstance(head, FSDPModule):
-        return causal_lm_head(model)
-    return CausalLMHead(_stand_in(head.weight), _stand_in(head.bias), softcap, scale)
-
-
-def _with_head(lm: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(head, *args)`` with the head's parameters ready: inside ``lm_head``'s own forward
-    when FSDP2 shards it as a unit of its own (its weight gathered once for the call, its
-    gradient reduce-scattered after backward), else a plain call."""
-    return run_in_forward(lm.lm_head, lambda _: fn(causal_lm_head(lm), *args))
-
-
-def _backbone(model: nn.Module) -> nn.Module:
-    """``model.model``: the module the audited forwards call for the final hidden states."""
-    backbone = getattr(model, "model", None)
-    if not isinstance(backbone, nn.Module) or backbone is model:
-        raise ValueError(
-            f"{type(model).__name__} has no backbone module at model.model (got "
-            f"{type(backbone).__name__})"
-        )
-    return backbone
-
-
-# --------------------------------------------------------------------------------------------
-# input checks
-
-
-def _check_input_ids(input_ids: object) -> torch.Tensor:
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValueError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"input_ids must be an int64 (or int32) tensor of shape [B, T], got dtype "
-            f"{input_ids.dtype} and shape {_shape(input_ids)}"
-        )
-    return input_ids
-
-
-def _check_like_ids(
-    name: str, t: object, input_ids: torch.Tensor, dtypes: tuple[torch.dtype, ...]
-) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.shape != input_ids.shape:
-        raise ValueError(
-            f"{name} must have input_ids' shape {_shape(input_ids)}, got {_shape(t)}"
-            + (" (4-D attention masks are not supported)" if name == "attention_mask" else "")
-        )
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have a dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.device != input_ids.device:
-        raise ValueError(f"{name} must be on input_ids' device {input_ids.device}, got {t.device}")
-    return t
-
-
-_MASK_DTYPES = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
-_POS_DTYPES = (torch.int32, torch.int64)
-
-
-def _check_attention_mask(
-    attention_mask: object, input_ids: torch.Tensor, capturable: bool
-) -> torch.Tensor:
-    mask = _check_like_ids("attention_mask", attention_mask, input_ids, _MASK_DTYPES)
-    if mask.dtype != torch.bool:
-        binary = ((mask == 0) | (mask == 1)).all()
-        if capturable:
-            torch._assert_async(binary, "attention_mask must hold only 0 and 1")
-        elif not bool(binary):
-            raise ValueError("attention_mask must hold only 0 and 1")
-    return mask.bool()
-
-
-def _check_model_inputs(
-    input_ids: object,
-    attention_mask: object,
-    position_ids: object,
-    cu_seqlens: object,
-    response_mask: object,
-    ignore_index: object,
-    capturable: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model-input contract (types, shapes, dtypes, mask values, one packing description),
-    checked without building labels; returns input_ids and the bool attention mask (or None).
-    ``capturable``: value checks as device-side assertions."""
-    input_ids = _check_input_ids(input_ids)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    mask = None
-    if attention_mask is not None:
-        mask = _check_attention_mask(attention_mask, input_ids, capturable)
-    if position_ids is not None:
-        _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
-    if response_mask is not None:
-        _check_like_ids("response_mask", response_mask, input_ids, (torch.bool,))
-    if cu_seqlens is not None:
-        if capturable:
-            raise ValueError(
-                "cu_seqlens is not supported with capturable=True (its documents are found by "
-                "reading its values on the host); pass position_ids restarting at 0 for each "
-                "document instead"
-            )
-        if position_ids is not None:
-            raise ValueError("give cu_seqlens or position_ids, not both")
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"cu_seqlens describes one packed row: input_ids must have shape [1, T], got "
-                f"{_shape(input_ids)}; for several rows pass position_ids restarting at 0"
-            )
-    return input_ids, mask
 
 
 def causal_lm_labels(
@@ -438,33 +161,8 @@ def causal_lm_labels(
     ...                  response_mask=torch.tensor([[0, 0, 0, 0, 1, 1]]).bool())
     tensor([[-100, -100, -100,    7,    8, -100]])
     """
-    batch = _ModelBatch(input_ids, attention_mask, position_ids, cu_seqlens, None, response_mask)
-    return _labels(batch, ignore_index, capturable=False)
-
-
-def _labels(batch: _ModelBatch, ignore_index: object, capturable: bool) -> torch.Tensor:
-    """:func:`causal_lm_labels` of ``batch``; ``capturable``: no host read (its value checks
-    are device-side assertions)."""
-    input_ids, position_ids, cu_seqlens = batch.input_ids, batch.position_ids, batch.cu_seqlens
-    response_mask = batch.response_mask
-    input_ids, mask = _check_model_inputs(
-        input_ids, batch.attention_mask, position_ids, cu_seqlens, response_mask, ignore_index,
-        capturable,
-    )  # fmt: skip
-    if cu_seqlens is not None:
-        labels = next_token_labels(input_ids, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
-    elif position_ids is not None:
-        pos = position_ids if mask is None else position_ids.masked_fill(~mask, -1)
-        doc = position_documents(pos, capturable).reshape(-1)
-        labels = labels_within_documents(input_ids, doc, ignore_index)
-    else:
-        labels = next_token_labels(input_ids, ignore_index=ignore_index)
-    keep = torch.ones_like(labels, dtype=torch.bool)
-    if mask is not None:
-        keep[:, :-1] &= mask[:, :-1] & mask[:, 1:]  # never from or to a padding token
-    if response_mask is not None:
-        keep[:, :-1] &= response_mask[:, 1:]
-    return labels.masked_fill(~keep, ignore_index)
+    batch = ModelBatch(input_ids, attention_mask, position_ids, cu_seqlens, None, response_mask)
+    return batch_labels(batch, ignore_index, capturable=False)
 
 
 def _check_model_kwargs(function: str, model_kwargs: dict[str, Any]) -> None:
@@ -511,115 +209,6 @@ def _not_an_option_here(function: str, name: str) -> TypeError:
     )
 
 
-def _model_position_ids(
-    position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None, total: int
-) -> torch.Tensor | None:
-    """What the backbone gets: position_ids as given, or restarting per cu_seqlens document
-    (padding after the last document at 0, i.e. one-token documents of its own)."""
-    if cu_seqlens is None:
-        return position_ids
-    return cu_seqlens_to_position_ids(cu_seqlens, total=total).clamp(min=0)[None]
-
-
-def _head_options(options: HeadOptions, head: CausalLMHead) -> HeadOptions:
-    """The call's options with what the model's forward does to the logits (its softcap and
-    logit scale) and, under autocast, the autocast dtype for the projection (``lm_head`` runs
-    in it)."""
-    head_dtype = options.head_dtype
-    if head_dtype is None:
-        head_dtype = autocast_dtype(head.weight.device)
-    return options.replace(
-        softcap=head.softcap,
-        logit_scale=None if head.logit_scale == 1.0 else head.logit_scale,
-        head_dtype=head_dtype,
-    )
-
-
-def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype ``lm_head`` runs in under the autocast active on ``device`` (None: none)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
-
-
-class _ModelBatch(NamedTuple):
-    """The backbone's inputs and what the targets are built from (see
-    :func:`causal_lm_logprobs`)."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    target_ids: torch.Tensor | None = None
-    response_mask: torch.Tensor | None = None
-
-    def targets(self, ignore_index: int, capturable: bool) -> torch.Tensor:
-        """``[B, T]`` targets aligned like the logits: given, or :func:`causal_lm_labels`."""
-        if self.target_ids is None:
-            return _labels(self, ignore_index, capturable)
-        if self.response_mask is not None:
-            raise ValueError(
-                "give target_ids or response_mask, not both: with explicit target_ids, set the "
-                "positions you do not want to ignore_index"
-            )
-        t = self.target_ids
-        if not isinstance(t, torch.Tensor) or t.shape != self.input_ids.shape:
-            got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"target_ids must have input_ids' shape {_shape(self.input_ids)}, got {got}"
-            )
-        # The model inputs the backbone will get.
-        _check_model_inputs(
-            self.input_ids, self.attention_mask, self.position_ids, self.cu_seqlens, None,
-            ignore_index, capturable,
-        )  # fmt: skip
-        return t
-
-    def backbone(
-        self, lm: nn.Module, model_kwargs: dict[str, Any], router_logits: bool = False
-    ) -> _Backbone:
-        """The backbone's outputs (with ``cu_seqlens``, position ids restarting at each
-        document); ``lm`` is the unwrapped model, called inside its wrapper's forward."""
-        position_ids = _model_position_ids(
-            self.position_ids, self.cu_seqlens, self.input_ids.shape[1]
-        )
-        return _run_backbone(
-            lm, self.input_ids, self.attention_mask, position_ids, model_kwargs, router_logits
-        )
-
-
-class _Prepared(NamedTuple):
-    """A checked call (on a placeholder of the hidden states, swapped for the real ones after
-    the backbone) and the options it was checked with."""
-
-    call: HeadCall
-    options: HeadOptions
-
-
-def _prepare(
-    model: nn.Module,
-    batch: _ModelBatch,
-    options: HeadOptions,
-    sampler: SamplerOptions,
-    model_kwargs: dict[str, Any],
-) -> _Prepared:
-    """Every check that needs no FLOP, before the backbone runs: model, inputs, targets, and
-    the head contract (one check: label range, temperature, dtypes, devices, backend, the
-    sampler's kept sets)."""
-    head = _head_for_checks(model)
-    _backbone(model)
-    input_ids = _check_input_ids(batch.input_ids)
-    if input_ids.device != head.weight.device:
-        raise ValueError(
-            f"input_ids must be on the model's device {head.weight.device}, got {input_ids.device}"
-        )
-    labels = batch.targets(options.ignore_index, options.capturable)
-    options = _head_options(options, head)
-    placeholder = head.weight.new_zeros(()).detach().expand(*labels.shape, head.weight.shape[1])
-    call = check_head_call(placeholder, head.weight, labels, head.bias, options, sampler)
-    return _Prepared(call, options)
-
-
 def causal_lm_hidden_states(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -642,91 +231,13 @@ def causal_lm_hidden_states(
     torch.Size([2, 5, 16])
     """
     _check_model_kwargs("causal_lm_hidden_states", model_kwargs)
-    input_ids = _check_input_ids(input_ids)
+    input_ids = check_input_ids(input_ids)
     if attention_mask is not None:
-        _check_like_ids("attention_mask", attention_mask, input_ids, _MASK_DTYPES)
+        check_like_ids("attention_mask", attention_mask, input_ids, MASK_DTYPES)
     if position_ids is not None:
-        _check_like_ids("position_ids", position_ids, input_ids, _POS_DTYPES)
+        check_like_ids("position_ids", position_ids, input_ids, POS_DTYPES)
     args = (input_ids, attention_mask, position_ids, model_kwargs)
-    return run_in_forward(model, lambda lm: _run_backbone(lm, *args).hidden)
-
-
-class _Backbone(NamedTuple):
-    """hidden: ``[B, T, H]`` final hidden states. router_logits: the MoE layers' router logits
-    (one ``[B * T, E]`` tensor per layer), when asked for."""
-
-    hidden: torch.Tensor
-    router_logits: tuple[torch.Tensor, ...] | None = None
-
-
-def _run_backbone(
-    lm: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    model_kwargs: dict[str, Any],
-    router_logits: bool = False,
-) -> _Backbone:
-    """``lm.model(...)`` as the audited forwards call it (``use_cache=False``)."""
-    _audited_class(lm)
-    extra = {"output_router_logits": True} if router_logits else {}
-    out = _backbone(lm)(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        **extra,
-        **model_kwargs,
-    )
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return _Backbone(hidden, tuple(out.router_logits) if router_logits else None)
-
-
-def _is_moe(lm: nn.Module) -> bool:
-    return hasattr(lm.config.get_text_config(), "output_router_logits")
-
-
-def causal_lm_router_aux_coef(model: nn.Module, coef: float | None = None) -> float:
-    """The weight of an MoE model's router load-balancing loss in a logitless loss.
-
-    ``coef=None`` follows the model's own forward: ``model.router_aux_loss_coef`` when
-    ``config.output_router_logits`` is True, else 0 (no router logits, no loss). A float is
-    used as given (TRL's ``router_aux_loss_coef``); 0 turns the loss off. A dense model has
-    no router: 0, and a non-zero float raises ``ValueError``.
-
-    >>> import transformers
-    >>> cfg = transformers.Qwen3MoeConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-    ...     moe_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-    ...     num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-    ...     output_router_logits=True, router_aux_loss_coef=0.01)
-    >>> causal_lm_router_aux_coef(transformers.Qwen3MoeForCausalLM(cfg))
-    0.01
-    """
-    lm = unwrap(model).model
-    _audited_class(lm)
-    if not _is_moe(lm):
-        if coef:
-            raise ValueError(
-                f"router_aux_loss_coef={coef}, but {type(lm).__name__} is not a "
-                "mixture-of-experts model: it has no router loss to weight"
-            )
-        return 0.0
-    if coef is None:
-        on = bool(lm.config.get_text_config().output_router_logits)
-        return float(lm.router_aux_loss_coef) if on else 0.0
-    if not (math.isfinite(float(coef)) and float(coef) >= 0):
-        raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {coef}")
-    return float(coef)
-
-
-def _router_aux_loss(
-    lm: nn.Module, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None
-) -> torch.Tensor:
-    """The load-balancing loss exactly as the model's forward computes it: its own module's
-    ``load_balancing_loss_func`` on the router logits, its expert counts, the attention mask."""
-    cls, _ = _audited_class(lm)
-    balance = sys.modules[cls.__module__].load_balancing_loss_func
-    return balance(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+    return run_in_forward(model, lambda lm: run_backbone(lm, *args).hidden)
 
 
 def causal_lm_logprobs(
@@ -824,76 +335,11 @@ def causal_lm_logprobs(
     """
     given = locals()
     _check_model_kwargs("causal_lm_logprobs", model_kwargs)
-    batch = _ModelBatch(
+    batch = ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
     options, sampler = HeadOptions.pick(given), SamplerOptions.pick(given)
-    return run_in_forward(model, _logprobs_in_forward, batch, options, sampler, model_kwargs)
-
-
-def _logprobs_in_forward(
-    lm: nn.Module,
-    batch: _ModelBatch,
-    options: HeadOptions,
-    sampler: SamplerOptions,
-    model_kwargs: dict[str, Any],
-) -> LogProbs:
-    """:func:`causal_lm_logprobs` on the unwrapped model, inside its wrapper's forward."""
-    prep = _prepare(lm, batch, options, sampler, model_kwargs)
-    hidden = batch.backbone(lm, model_kwargs).hidden
-    return _with_head(lm, _logprobs_on_head, prep, hidden)
-
-
-def _logprobs_on_head(head: CausalLMHead, prep: _Prepared, hidden: torch.Tensor) -> LogProbs:
-    call = prep.call.replace(weight=head.weight, bias=head.bias)
-    with torch.autocast(hidden.device.type, enabled=False):
-        return logprobs_of_call(with_hidden(call, hidden, prep.options))
-
-
-def _document_ids(
-    document_ids: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    input_ids: torch.Tensor,
-    capturable: bool,
-) -> torch.Tensor | None:
-    """The loss's sequences: as given; else the documents of cu_seqlens / position_ids
-    (numbered row-major, padding -1); else None (each row one sequence)."""
-    if document_ids is not None:
-        return document_ids
-    if cu_seqlens is not None:
-        pos = cu_seqlens_to_position_ids(cu_seqlens, total=input_ids.shape[1])[None]
-    elif position_ids is not None:
-        pos = position_ids
-        if attention_mask is not None:
-            pos = pos.masked_fill(~attention_mask.bool(), -1)
-    else:
-        return None
-    return position_documents(pos, capturable)
-
-
-class _Flattener:
-    """``[B, T]`` per-token loss inputs -> ``[B * T]``, checking their shape on the way."""
-
-    def __init__(self, shape: torch.Size) -> None:
-        self.shape = shape
-
-    def __call__(
-        self, name: str, t: torch.Tensor | None, *, per_sequence_ok: bool = False
-    ) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if isinstance(t, torch.Tensor) and t.shape == self.shape:
-            return t.reshape(-1)
-        if per_sequence_ok and isinstance(t, torch.Tensor) and t.dim() == 1:
-            return t  # one per document id; policy_loss checks the count
-        got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
-        want = " (per token) or [num_documents] (per document)" if per_sequence_ok else ""
-        raise ValueError(
-            f"{name} must have input_ids' shape [{', '.join(map(str, self.shape))}]{want}, "
-            f"got {got}"
-        )
+    return run_in_forward(model, hf_seam.logprobs_in_forward, batch, options, sampler, model_kwargs)
 
 
 def causal_lm_policy_loss(
@@ -997,112 +443,25 @@ def causal_lm_policy_loss(
     _check_model_kwargs("causal_lm_policy_loss", model_kwargs)
     entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
     options = HeadOptions.pick(given).replace(with_entropy=entropy)
-    batch = _ModelBatch(
+    batch = ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    loss_inputs = {"old_logprobs": old_logprobs, "advantages": advantages}
-    loss_inputs |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
-    teacher_out = None
+    inputs = LossInputs(
+        old_logprobs, advantages, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+        document_ids=document_ids,
+    )  # fmt: skip
     if teacher is not None:
         check_model(teacher)
         with torch.no_grad():
-            teacher_out = run_in_forward(teacher, _teacher_in_forward, batch, model_kwargs)
-    loss_options = _LossOptions(config, document_ids, normalizer, router_aux_loss_coef, teacher_out)
+            t_hidden, t_head = run_in_forward(
+                teacher, hf_seam.teacher_in_forward, batch, model_kwargs
+            )
+        inputs = inputs.replace(teacher=t_head.as_teacher(t_hidden))
+    loss_options = hf_seam.LossOptions(config, normalizer, router_aux_loss_coef)
     return run_in_forward(
-        model, _policy_loss_in_forward, batch, options, SamplerOptions.pick(given),
-        model_kwargs, loss_inputs, loss_options,
+        model, hf_seam.policy_loss_in_forward, batch, options, SamplerOptions.pick(given),
+        model_kwargs, inputs, loss_options,
     )  # fmt: skip
-
-
-def _loss_on_head(
-    head: CausalLMHead, prep: _Prepared, hidden: torch.Tensor, loss_call, teacher=None
-):
-    call = prep.call.replace(weight=head.weight, bias=head.bias)
-    with torch.autocast(hidden.device.type, enabled=False):
-        call = with_hidden(call, hidden, prep.options)
-        divergence = None
-        if teacher is not None:
-            divergence = _policy_divergence(call, hidden, head, prep.options, teacher, loss_call)
-            loss_call = dataclasses.replace(loss_call, divergence=divergence.detach())
-        return fused_loss_of_call(call, loss_call, divergence)
-
-
-def _policy_divergence(call: HeadCall, hidden, head: CausalLMHead, options, teacher, loss_call):
-    """The distillation term's ``D`` ``[*batch_shape]`` of a policy-loss call: the student's
-    rows against the teacher's hidden states and head (its options: the call's)."""
-    t_hidden, t_head = teacher
-    shape = call.batch_shape
-    temperature = options.temperature
-    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
-        temperature = temperature.reshape(shape)
-    teacher_head = TeacherHead(
-        t_hidden.reshape(*shape, t_hidden.shape[-1]), t_head.weight, t_head.bias,
-        None if t_head.logit_scale == 1.0 else t_head.logit_scale, t_head.softcap,
-    )  # fmt: skip
-    labels = call.labels.reshape(shape)
-    options = options.replace(temperature=temperature)
-    divergence = teacher_divergence(
-        call, hidden, head.weight, labels, head.bias, options, teacher_head
-    )
-    return divergence(loss_call.config)
-
-
-class _LossOptions(NamedTuple):
-    """The loss arguments of :func:`causal_lm_policy_loss` beyond the per-token inputs."""
-
-    config: PolicyLossConfig | None
-    document_ids: torch.Tensor | None
-    normalizer: LossNormalizer | None
-    router_aux_loss_coef: float | None
-    teacher: tuple[torch.Tensor, CausalLMHead] | None = None  # its hidden states and head
-
-
-def _policy_loss_in_forward(
-    lm: nn.Module,
-    batch: _ModelBatch,
-    options: HeadOptions,
-    sampler: SamplerOptions,
-    model_kwargs: dict[str, Any],
-    loss_inputs: dict[str, torch.Tensor | None],
-    loss_options: _LossOptions,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`causal_lm_policy_loss` on the unwrapped model, inside its wrapper's forward."""
-    aux_coef = causal_lm_router_aux_coef(lm, loss_options.router_aux_loss_coef)
-    prep = _prepare(lm, batch, options, sampler, model_kwargs)
-    call = prep.call
-    document_ids = _document_ids(
-        loss_options.document_ids, batch.attention_mask, batch.position_ids, batch.cu_seqlens,
-        batch.input_ids, prep.options.capturable,
-    )  # fmt: skip
-    if document_ids is not None:
-        # Sequences are documents, not rows: the loss sees the flat [N] token stream, where
-        # per-sequence advantages are one per document id (policy_loss's packed form).
-        flat = _Flattener(call.batch_shape)
-        loss_inputs = {
-            k: flat(k, v, per_sequence_ok=k == "advantages") for k, v in loss_inputs.items()
-        }
-        document_ids = flat("document_ids", document_ids)
-        call = call.replace(batch_shape=torch.Size([call.labels.numel()]))
-    if loss_options.teacher is not None:  # its shape stands in until the head computes it
-        loss_inputs = {
-            **loss_inputs,
-            "divergence": call.labels.new_zeros(call.batch_shape, dtype=torch.float32),
-        }
-    # The loss contract, checked once before the backbone.
-    loss_call = check_loss_of_head(
-        call, config=loss_options.config, document_ids=document_ids,
-        normalizer=loss_options.normalizer, **loss_inputs,
-    )  # fmt: skip
-    out = batch.backbone(lm, model_kwargs, router_logits=aux_coef != 0)
-    hidden = out.hidden.reshape(*call.batch_shape, out.hidden.shape[-1])
-    prep = prep._replace(call=call)
-    teacher = loss_options.teacher
-    loss, metrics = _with_head(lm, _loss_on_head, prep, hidden, loss_call, teacher)
-    if out.router_logits is not None:
-        aux = _router_aux_loss(lm, out.router_logits, batch.attention_mask)
-        loss = loss + aux_coef * aux.to(loss.dtype)
-        metrics = {**metrics, "aux_loss": aux.detach().float()}
-    return loss, metrics
 
 
 # --------------------------------------------------------------------------------------------
@@ -1178,80 +537,23 @@ def causal_lm_divergence(
     given = locals()
     _check_model_kwargs("causal_lm_divergence", model_kwargs)
     options = HeadOptions.pick(given)
-    batch = _ModelBatch(
+    batch = ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
     check_model(model)
     check_model(teacher)
     labels = batch.targets(ignore_index, False)
     with torch.no_grad():
-        t_hidden, t_head = run_in_forward(teacher, _teacher_in_forward, batch, model_kwargs)
-    div = _DivergenceArgs(beta, with_logprobs, vocab_size)
+        t_hidden, t_head = run_in_forward(teacher, hf_seam.teacher_in_forward, batch, model_kwargs)
+    div = hf_seam.DivergenceArgs(beta, with_logprobs, vocab_size)
     args = (batch, labels, t_hidden, t_head, options, div, model_kwargs)
-    return run_in_forward(model, _divergence_in_forward, *args)
+    return run_in_forward(model, hf_seam.divergence_in_forward, *args)
 
 
-class _DivergenceArgs(NamedTuple):
-    beta: float
-    with_logprobs: bool
-    vocab_size: int | None
-
-
-def _teacher_in_forward(
-    lm: nn.Module, batch: _ModelBatch, model_kwargs: dict[str, Any]
-) -> tuple[torch.Tensor, CausalLMHead]:
-    """The teacher's final hidden states and its head, detached (a sharded head weight
-    gathered whole: the teacher needs no gradient)."""
-    hidden = batch.backbone(lm, model_kwargs).hidden
-    head, softcap, scale = check_model(lm)
-
-    def whole(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return (t.full_tensor() if is_dtensor(t) else t).detach()
-
-    return hidden.detach(), CausalLMHead(whole(head.weight), whole(head.bias), softcap, scale)
-
-
-def _divergence_in_forward(
-    lm: nn.Module,
-    batch: _ModelBatch,
-    labels: torch.Tensor,
-    t_hidden: torch.Tensor,
-    t_head: CausalLMHead,
-    options: HeadOptions,
-    div: _DivergenceArgs,
-    model_kwargs: dict[str, Any],
-) -> Divergence:
-    hidden = batch.backbone(lm, model_kwargs).hidden
-    return _with_head(lm, _divergence_on_head, hidden, labels, t_hidden, t_head, options, div)
-
-
-def _divergence_on_head(
-    head: CausalLMHead,
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    t_hidden: torch.Tensor,
-    t_head: CausalLMHead,
-    options: HeadOptions,
-    div: _DivergenceArgs,
-) -> Divergence:
-    options = _head_options(options, head)
-
-    def scale(s: float) -> float | None:
-        return None if s == 1.0 else s
-
-    with torch.autocast(hidden.device.type, enabled=False):
-        return linear_divergence(
-            hidden, head.weight, labels, t_hidden, t_head.weight,
-            beta=div.beta, temperature=options.temperature, bias=head.bias,
-            logit_scale=options.logit_scale, softcap=options.softcap,
-            teacher_bias=t_head.bias, teacher_logit_scale=scale(t_head.logit_scale),
-            teacher_softcap=t_head.softcap, vocab_size=div.vocab_size,
-            with_logprobs=div.with_logprobs, with_entropy=options.with_entropy,
-            ignore_index=options.ignore_index, chunk_size=options.chunk_size,
-            head_dtype=options.head_dtype, backend=options.backend,
-        )  # fmt: skip
+# The verl backend called these two by their old private names; kept until its move onto the
+# seam (which calls neither) lands. Nothing else may use them: tests/test_integration_layout.py.
+_ModelBatch = ModelBatch
+_logprobs_in_forward = hf_seam.logprobs_in_forward
 
 
 # --------------------------------------------------------------------------------------------

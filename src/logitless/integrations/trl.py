@@ -12,7 +12,8 @@ Switching is one line::
 
 - the no-grad log-probs of the policy (``old_per_token_logps``) and of the reference model,
   computed when completions are scored: :func:`logitless.integrations.hf.causal_lm_logprobs`;
-- the loss: the model's backbone once (``hf.causal_lm_hidden_states``), a no-grad head pass on
+- the loss: the model's backbone once (``model.model``, as
+  :func:`logitless.integrations.hf.causal_lm_hidden_states` runs it), a no-grad head pass on
   those hidden states for the current log-probs and entropies (TRL's metrics, its top-entropy
   mask and, on-policy, the old log-probs: no second backbone forward), then
   :func:`logitless.fused_policy_loss` with the :class:`~logitless.PolicyLossConfig` equivalent
@@ -62,7 +63,9 @@ from ..contract.checks import check_flag
 from ..losses import LossNormalizer, PolicyLossConfig
 from ..ops.fused_loss.op import fused_policy_loss
 from ..ops.logprobs.op import linear_logprobs
-from . import hf
+from . import hf, hf_model
+from .seam import Head
+from .trl_common import CompletionLayout, completion_batch, distributed_problem
 
 try:
     import trl
@@ -363,29 +366,6 @@ def _model_problem(model: nn.Module) -> str | None:
     return None
 
 
-# accelerate's distributed types that wrap the model in DistributedDataParallel
-_DDP_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA")
-
-
-def _distributed_problem(accelerator: Any) -> str | None:
-    """Why logitless cannot run under this accelerate setup, or None."""
-    dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
-    if dist_type in _DDP_TYPES:
-        return None
-    if dist_type == "FSDP":
-        version = getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1)
-        if version == 2:
-            return None
-        return "FSDP1 (its flat parameters hide the head weight); set fsdp_version: 2"
-    if dist_type == "DEEPSPEED":
-        return (
-            "DeepSpeed (ZeRO-2 and ZeRO-3 cannot be tested on this project's machines, so "
-            "they are refused rather than risk unreduced or sharded head gradients); use DDP "
-            "or FSDP2 (fsdp_version: 2)"
-        )
-    return f"distributed type {dist_type} (tested: DDP and FSDP2)"
-
-
 def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
     """Every check of a trainer's options and model; returns its loss config.
 
@@ -403,7 +383,7 @@ def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
         )
     if getattr(trainer, "_is_vlm", False):
         raise _unsupported("a vision-language model", "logitless handles text-only causal LMs")
-    problem = _distributed_problem(trainer.accelerator)
+    problem = distributed_problem(trainer.accelerator)
     if problem is not None:
         raise _unsupported("this distributed setup", problem)
     for name, model in (("model", trainer.model), ("ref_model", trainer.ref_model)):
@@ -413,42 +393,6 @@ def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
         if problem is not None:
             raise _unsupported(f"this {name}", problem)
     return config
-
-
-class _Layout(NamedTuple):
-    """TRL's ``[B, C]`` completion columns inside logitless' ``[B, P + C]`` logits alignment."""
-
-    prompt: int  # P: padded prompt length
-    completion: int  # C: padded completion length
-
-    def to_full(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, C] -> [B, P + C], column j at P - 1 + j (0 elsewhere)."""
-        out = x.new_zeros(x.shape[0], self.prompt + self.completion)
-        out[:, self.prompt - 1 : self.prompt - 1 + self.completion] = x
-        return out
-
-    def to_trl(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, P + C] -> [B, C]."""
-        return x[:, self.prompt - 1 : self.prompt - 1 + self.completion]
-
-    def response_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """[B, C] loss mask -> [B, P + C] bool over input_ids (True at scored tokens)."""
-        full = torch.zeros(mask.shape[0], self.prompt + self.completion, dtype=torch.bool)
-        full = full.to(mask.device)
-        full[:, self.prompt :] = mask.bool()
-        return full
-
-
-def completion_batch(inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A TRL trainer's micro-batch as the HF functions take it: ``input_ids`` and
-    ``attention_mask`` ``[B, P + C]`` (prompt then completion) and the ``[B, C]`` loss mask
-    (``completion_mask``, times ``tool_mask`` when present)."""
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    mask = inputs["completion_mask"]
-    if "tool_mask" in inputs:
-        mask = mask * inputs["tool_mask"]
-    return input_ids, attention_mask, mask
 
 
 class _Step(NamedTuple):
@@ -466,21 +410,18 @@ class _Step(NamedTuple):
 
 
 def _head_kwargs(
-    head: hf.CausalLMHead, temperature: float, head_dtype: torch.dtype | None, invariant: bool
+    head: Head, temperature: float, head_dtype: torch.dtype | None, invariant: bool
 ) -> dict:
-    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (its
-    softcap and logit scale; ``head_dtype``: the autocast dtype lm_head would run in), and the
-    trainer's ``batch_invariant``."""
+    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (the
+    seam :class:`~logitless.integrations.seam.Head`'s bias, softcap and logit scale;
+    ``head_dtype``: the autocast dtype lm_head would run in), and the trainer's
+    ``batch_invariant``."""
     return dict(
-        bias=head.bias,
+        **head.options(),
         temperature=float(temperature),
-        softcap=head.softcap,
-        logit_scale=None if head.logit_scale == 1.0 else head.logit_scale,
         head_dtype=head_dtype,
         batch_invariant=invariant,
     )
-
-
 
 
 class LogitlessGRPOMixin:
@@ -523,7 +464,7 @@ class LogitlessGRPOMixin:
                 ", ".join(given) or "compute_aux_loss", "logitless handles text-only causal LMs"
             )
         total = input_ids.shape[1]
-        layout = _Layout(total - logits_to_keep, logits_to_keep)
+        layout = CompletionLayout(total - logits_to_keep, logits_to_keep)
         response = attention_mask.bool().clone()
         response[:, : layout.prompt] = False
         batch_size = batch_size or input_ids.shape[0]
@@ -554,7 +495,7 @@ class LogitlessGRPOMixin:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
 
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        layout = _Layout(prompt_ids.shape[1], completion_ids.shape[1])
+        layout = CompletionLayout(prompt_ids.shape[1], completion_ids.shape[1])
         if layout.prompt < 1:
             raise ValueError("LogitlessGRPOTrainer needs at least one prompt token per row")
         # The backbone, the head and the loss run inside the wrapper's forward (DDP arms its
@@ -568,7 +509,9 @@ class LogitlessGRPOMixin:
         self._logitless_log(opts, mode, loss, step, accumulation)
         return loss
 
-    def _logitless_step(self, lm, inputs, opts: _Options, config, mode: str, layout: _Layout):
+    def _logitless_step(
+        self, lm, inputs, opts: _Options, config, mode: str, layout: CompletionLayout
+    ):
         """One micro-batch's loss on the unwrapped model ``lm``, inside the wrapper's forward:
         the backbone once, a no-grad head pass for the current log-probs and entropies (TRL's
         metrics and masks, and the old log-probs on-policy), then the fused loss."""
@@ -577,17 +520,17 @@ class LogitlessGRPOMixin:
             input_ids, attention_mask=attention_mask, response_mask=layout.response_mask(mask)
         )
         with self.accelerator.autocast():
-            out = hf._run_backbone(
+            out = hf_model.run_backbone(
                 lm, input_ids, attention_mask, None, {}, router_logits=self.aux_loss_enabled
             )
-            head_dtype = hf.autocast_dtype(out.hidden.device)
+            head_dtype = hf_model.autocast_dtype(out.hidden.device)
         aux = None
         if out.router_logits is not None:
-            aux = hf._router_aux_loss(lm, out.router_logits, attention_mask)
+            aux = hf_model.router_aux_loss(lm, out.router_logits, attention_mask)
         step = _Step(None, aux, None, None, inputs["advantages"], mask, None, None)
         head_step = self._logitless_head_step  # the head's parameters gathered (FSDP2)
-        return hf._with_head(lm, head_step, out.hidden, labels, head_dtype, inputs, opts, config,
-                             mode, layout, step)  # fmt: skip
+        return hf_model.with_head(lm, head_step, out.hidden, labels, head_dtype, inputs, opts,
+                                  config, mode, layout, step)  # fmt: skip
 
     def _logitless_head_step(
         self, head, hidden, labels, head_dtype, inputs, opts: _Options, config, mode, layout, step

@@ -34,6 +34,7 @@ import torch
 
 from ..contract.checks import check_flag
 from . import hf
+from .trl_common import CompletionLayout, completion_batch, distributed_problem
 
 try:
     from trl import DistillationTrainer
@@ -57,13 +58,11 @@ def check_distillation(trainer: DistillationTrainer) -> None:
 
     :class:`LogitlessDistillationMixin` calls it at the end of ``__init__`` and at each loss.
     """
-    from .trl import _distributed_problem  # the one rule, shared with the GRPO trainer
-
     if getattr(trainer, "_is_vlm", False):
         raise _unsupported("a vision-language model", "logitless handles text-only causal LMs")
     if trainer.teacher_model is None:
         raise _unsupported("a run without a teacher model", "the divergence needs its head")
-    problem = _distributed_problem(trainer.accelerator)
+    problem = distributed_problem(trainer.accelerator)  # the GRPO trainer's rule too
     if problem is not None:
         raise _unsupported("this distributed setup", problem)
     for name, model in (("model", trainer.model), ("teacher_model", trainer.teacher_model)):
@@ -97,10 +96,8 @@ class LogitlessDistillationMixin:
             # TRL's count over the generated completions, per process (DDP averages)
             num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0)
             num_items_in_batch = num_items_in_batch / self.accelerator.num_processes
-        from .trl import _Layout, completion_batch  # the GRPO trainer's own batch layout
-
         input_ids, attention_mask, mask = completion_batch(inputs)
-        layout = _Layout(inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1])
+        layout = CompletionLayout(inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1])
         response = layout.response_mask(mask)  # the tokens whose prediction counts
         self.teacher_model.eval()
         # No accelerator.autocast() here: stock TRL runs its whole loss through its forward
