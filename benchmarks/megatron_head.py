@@ -1,11 +1,13 @@
 """Megatron's logits path vs logitless inside output_layer: per-rank peak memory and time, CPU.
 
     python benchmarks/megatron_head.py --seq 8192 --hidden 1024 --vocab 151936 --tp 2
+    python benchmarks/megatron_head.py --task loss --entropy --main-grad
 
 The head of a megatron-core GPTModel on ``tp`` gloo ranks, fp32: the decoder's hidden states
 ``[S, 1, H]`` and a real ``ColumnParallelLinear`` output layer (``gather_output=False``, this
-rank's ``[V/tp, H]`` rows). Forward + backward of the per-token log-probs (random upstream
-gradient) two ways:
+rank's ``[V/tp, H]`` rows). Forward + backward, two ways, of one of two tasks:
+
+``--task logprobs`` (the default): the per-token log-probs (random upstream gradient):
 
 - ``megatron``: ``output_layer(hidden)`` → ``[S, 1, V/tp]`` logits →
   ``vocab_parallel_cross_entropy`` (Megatron's own path; with ``--entropy`` also the entropy
@@ -13,16 +15,36 @@ gradient) two ways:
 - ``logitless``: the head run as ``output_layer``'s forward (what
   ``logitless.integrations.megatron.logprobs`` does inside ``GPTModel``), never the logits.
 
+``--task loss``: a GRPO-style step (PPO-clip ε = 0.2, token mean; with ``--entropy`` an entropy
+bonus of 0.01) on the same old log-probs and advantages:
+
+- ``megatron``: the logits → ``vocab_parallel_cross_entropy`` (on a copy of the logits when
+  the entropy is also taken: it writes its input) → with ``--entropy`` the vocab-parallel
+  entropy as verl's and slime's Megatron actors compute it (``_VocabParallelEntropy``:
+  all-reduced max, Σexp and Σp·z; saves the logits and the softmax) → the clipped surrogate
+  in plain torch → backward;
+- ``logitless``: the fused policy loss inside ``output_layer``'s forward
+  (``logitless.integrations.megatron.policy_loss``'s head: the gradient taken in the forward
+  pass, three matmuls) → backward.
+
+``--main-grad``: the weight carries a preallocated fp32 ``main_grad`` and a backward hook that
+adds its ``.grad`` into it unless ``grad_added_to_main_grad`` (Megatron DDP's); logitless then
+adds its weight gradient straight into ``main_grad`` (gradient-accumulation fusion, its
+default under Megatron's DDP). The buffer is allocated before the measurement, outside the
+"extra" of both.
+
 Each method runs in fresh processes (one per rank, file:// rendezvous). Every rank reports its
 peak extra RSS during one step (high-water mark reset before it) and the median time of
 ``--repeats`` steps; a row is the maximum over ranks. The machine's cores are split between the
-ranks. Prints both rows and the ratios logitless / megatron; appends them to a CSV.
+ranks. Prints both rows and the ratios logitless / megatron; appends them to a CSV (columns
+added over time go to the end; an older file gets them, empty, in its old rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import statistics
 import tempfile
@@ -57,8 +79,9 @@ def _measure(method: str, args) -> dict:
     )
     from megatron.core.transformer import TransformerConfig
 
+    import logitless
     from logitless.apps.memory import CpuPeakMemory
-    from logitless.integrations import seam
+    from logitless.integrations import megatron, seam
 
     if not torch.cuda.is_available():  # Megatron's gathers allocate on the current CUDA device
         torch.cuda.current_device = lambda: "cpu"
@@ -82,16 +105,27 @@ def _measure(method: str, args) -> dict:
     hidden = torch.randn(s, 1, h, generator=g).requires_grad_()
     labels = torch.randint(0, v, (1, s), generator=g)
     up = torch.randn(2, 1, s, generator=g)
+    # the loss task's rollout data: old log-probs near the model's, advantages per token
+    old = -math.log(v) - 0.5 + 0.1 * torch.randn(1, s, generator=g)
+    adv = torch.randn(1, s, generator=g)
     rows = layer.output_size_per_partition
     start = ps.get_tensor_model_parallel_rank() * rows
     vp = None
     if args.tp > 1:
-        import logitless
-
         vp = logitless.VocabParallel(ps.get_tensor_model_parallel_group(), start, start + rows)
     parallel = seam.Parallelism(vocab=vp)
+    config = logitless.PolicyLossConfig(entropy_coef=ENTROPY_COEF if args.entropy else 0.0)
+    weight = layer.weight
+    if args.main_grad:  # what Megatron's DDP gives the parameter, and its backward hook
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+        weight.grad_added_to_main_grad = False
+        node = weight.expand_as(weight).grad_fn.next_functions[0][0]
+        node.register_hook(_ddp_hook(weight))
 
-    def megatron_step() -> None:
+    def into():
+        return megatron.main_grad_into(weight) if args.main_grad else None
+
+    def megatron_logprobs() -> None:
         logits, _ = layer(hidden)  # [S, 1, V/tp]
         logp = -vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
         loss = (logp.transpose(0, 1) * up[0]).sum()
@@ -101,26 +135,61 @@ def _measure(method: str, args) -> dict:
             loss = loss + (ent.transpose(0, 1) * up[1]).sum()
         loss.backward()
 
-    def logitless_step() -> None:
+    def megatron_loss() -> None:
+        logits, _ = layer(hidden)  # [S, 1, V/tp]
+        target = labels.transpose(0, 1).contiguous()
+        ent = None
+        if args.entropy:
+            ent = _VocabParallelEntropy.apply(logits, ps.get_tensor_model_parallel_group())
+            logits = logits.clone()  # vocab_parallel_cross_entropy writes its input
+        logp = -vocab_parallel_cross_entropy(logits, target)  # [S, 1]
+        loss = _grpo_loss(logp.transpose(0, 1), old, adv, ent)
+        loss.backward()
+        return loss
+
+    def in_output_layer(fn):
         def head(x, weight=None, **_):
             tokens = seam.Tokens(x, labels, sequence_first=True)
-            w = seam.Head(layer.weight if weight is None else weight)
-            return seam.logprobs(tokens, w, parallel, with_entropy=args.entropy)
+            return fn(tokens, seam.Head(layer.weight if weight is None else weight))
 
-        _, out = seam.run_as_forward(layer, head, lambda: layer(hidden))
+        return seam.run_as_forward(layer, head, lambda: layer(hidden))[1]
+
+    def logitless_logprobs() -> None:
+        out = in_output_layer(
+            lambda t, w: seam.logprobs(
+                t, w, parallel, with_entropy=args.entropy, weight_grad_into=into()
+            )
+        )
         loss = (out.logprobs * up[0]).sum()
         if args.entropy:
             loss = loss + (out.entropy * up[1]).sum()
         loss.backward()
 
-    step = megatron_step if method == "megatron" else logitless_step
+    def logitless_loss() -> None:
+        inputs = seam.LossInputs(old_logprobs=old, advantages=adv)
+        loss, _ = in_output_layer(
+            lambda t, w: seam.policy_loss(
+                t, w, inputs, parallel, config=config, weight_grad_into=into()
+            )
+        )
+        loss.backward()
+        return loss
+
+    steps = {
+        ("megatron", "logprobs"): megatron_logprobs,
+        ("megatron", "loss"): megatron_loss,
+        ("logitless", "logprobs"): logitless_logprobs,
+        ("logitless", "loss"): logitless_loss,
+    }
+    step = steps[method, args.task]
 
     def clear() -> None:
-        hidden.grad = layer.weight.grad = None
-        if hasattr(layer.weight, "main_grad"):
-            del layer.weight.main_grad
+        hidden.grad = weight.grad = None
+        if args.main_grad:
+            weight.main_grad.zero_()
+            weight.grad_added_to_main_grad = False
 
-    step()  # warm-up
+    value = step()  # warm-up; the loss task's loss, to compare the two ways
     clear()
     mem = CpuPeakMemory()
     mem.start()
@@ -132,7 +201,77 @@ def _measure(method: str, args) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"peak": peak, "time": statistics.median(times)}
+    loss = None if value is None else float(value)
+    return {"peak": peak, "time": statistics.median(times), "loss": loss}
+
+
+ENTROPY_COEF = 0.01
+CLIP = 0.2
+
+
+def _ddp_hook(weight):
+    """Megatron DDP's backward hook on the parameter's gradient accumulator
+    (``_make_backward_post_hook``): add ``.grad`` into ``main_grad`` unless the layer already
+    did (``grad_added_to_main_grad``), then drop ``.grad``."""
+
+    def hook(*_):
+        if weight.grad is not None and not weight.grad_added_to_main_grad:
+            weight.main_grad.add_(weight.grad)
+        weight.grad = None
+
+    return hook
+
+
+def _grpo_loss(logp, old, adv, ent):
+    """The PPO-clip surrogate (ε = 0.2), token mean over ``[1, S]`` tokens, minus the entropy
+    bonus: what ``logitless.PolicyLossConfig(entropy_coef=...)`` computes, in plain torch."""
+    ratio = (logp - old).exp()
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+    loss = -surrogate.mean()
+    if ent is not None:
+        loss = loss - ENTROPY_COEF * ent.transpose(0, 1).mean()
+    return loss
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """The entropy of vocab-parallel logits ``[..., V/tp]`` as verl's and slime's Megatron
+    actors compute it: the max, Σexp and Σp·z all-reduced over the tensor-parallel group; the
+    logits and the softmax saved for backward, ``dH/dz = p·(Σp·z − z)``."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        m = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - m).exp_()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        dist.all_reduce(sum_exp, group=group)
+        softmax = exp.div_(sum_exp)
+        pz = (softmax * logits).sum(dim=-1, keepdim=True)
+        dist.all_reduce(pz, group=group)
+        ctx.save_for_backward(logits, softmax, pz)
+        return (m + sum_exp.log() - pz).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, softmax, pz = ctx.saved_tensors
+        return softmax * (pz - logits) * grad.unsqueeze(-1), None
+
+
+def _append_csv(path: Path, rows: list[dict]) -> None:
+    """Append ``rows``; an existing file whose header lacks some of their columns is rewritten
+    with them added at the end (empty in its old rows)."""
+    fields = list(rows[0])
+    old_rows: list[dict] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            old_rows = list(reader)
+        fields = header + [c for c in fields if c not in header]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(old_rows + rows)
 
 
 def main() -> None:
@@ -143,6 +282,17 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--entropy", action="store_true", help="also the entropy, both ways")
+    p.add_argument(
+        "--task",
+        choices=("logprobs", "loss"),
+        default="logprobs",
+        help="per-token log-probs, or a GRPO-style policy-loss step (see the module docstring)",
+    )
+    p.add_argument(
+        "--main-grad",
+        action="store_true",
+        help="a preallocated fp32 main_grad and Megatron DDP's hook on the weight",
+    )
     p.add_argument("--csv", default="bench-results/megatron_head.csv")
     args = p.parse_args()
     rows = {}
@@ -159,11 +309,14 @@ def main() -> None:
             "entropy": args.entropy,
             "peak_mb_per_rank": round(max(r["peak"] for r in res) / 2**20, 1),
             "median_s": round(max(r["time"] for r in res), 4),
+            "task": args.task,
+            "main_grad": args.main_grad,
         }
         r = rows[method]
+        value = "" if res[0]["loss"] is None else f", loss {res[0]['loss']:.6f}"
         print(
-            f"{method}: peak extra memory per rank {r['peak_mb_per_rank']:.1f} MB, "
-            f"step {r['median_s']:.3f} s",
+            f"{method} ({args.task}{', main_grad' if args.main_grad else ''}): peak extra "
+            f"memory per rank {r['peak_mb_per_rank']:.1f} MB, step {r['median_s']:.3f} s{value}",
             flush=True,
         )
     ours, theirs = rows["logitless"], rows["megatron"]
@@ -172,12 +325,7 @@ def main() -> None:
     print(f"ratio logitless/megatron: memory {mem:.3f}x, time {speed:.3f}x", flush=True)
     path = Path(args.csv)
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(ours))
-        if new:
-            w.writeheader()
-        w.writerows(rows.values())
+    _append_csv(path, list(rows.values()))
 
 
 if __name__ == "__main__":

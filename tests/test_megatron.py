@@ -17,6 +17,8 @@ composed ``policy_loss`` on each path's log-probs the same way.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -490,6 +492,126 @@ def _errors_case(rank: int) -> None:
            lambda: megatron.logprobs(model, *args, batch["labels"]))  # fmt: skip
 
 
+def _ddp(model, overlap: bool = True):
+    """``model`` in megatron-core's own DistributedDataParallel: every parameter gets an fp32
+    ``main_grad`` and a backward hook that adds ``.grad`` into it (``overlap_grad_reduce``:
+    the hook asserts a ``.grad`` and marks the parameter ready for its bucket's reduce)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, grad_reduce_in_fp32=True)
+    return DistributedDataParallel(model.config, config, module=model)
+
+
+def _main_grads(ddp) -> dict[str, torch.Tensor]:
+    """Every parameter's ``main_grad`` after the step's gradient sync, then zeroed."""
+    ddp.finish_grad_sync()
+    out = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+    ddp.zero_grad_buffer()
+    return out
+
+
+def _hook_spy(weight, seen: list):
+    """A post-hook on ``weight``'s gradient accumulator, registered before DDP's own, so it
+    runs just before it: what DDP's hook will see (``.grad``'s storage, the flag)."""
+    acc = weight.expand_as(weight).grad_fn.next_functions[0][0]
+
+    def spy(*_):
+        g = weight.grad
+        nbytes = None if g is None else g.untyped_storage().nbytes()
+        seen.append((nbytes, bool(weight.grad_added_to_main_grad)))
+
+    acc.register_hook(spy)
+    return acc  # keep the node alive: DDP registers its hook on the same one
+
+
+def _fusion_case(rank: int, sp: bool, tied: bool) -> None:
+    """gradient_accumulation_fusion under megatron-core's DDP (TP=2, overlap_grad_reduce):
+    the head's weight gradient is added straight into ``main_grad`` over two micro-batches.
+    Every parameter's ``main_grad`` equals Megatron's logits path through the same DDP (its
+    hook adding ``.grad``) and a float64 truth, after each micro-batch for the head's weight;
+    DDP's hook sees the flag and a one-element placeholder (untied), or the tied embedding's
+    own gradient and no flag; the fused loss likewise; ``True`` without DDP raises."""
+    from logitless.integrations import megatron
+
+    model, truth, build = _setup(2, 1, sp, tied)
+    ref_model = build()
+    weight = megatron._head_weight(megatron.megatron_head(model))
+    seen: list = []
+    node = _hook_spy(weight, seen)
+    ours, ref = _ddp(model), _ddp(ref_model)
+    batches = [_dense_batch(seed=s) for s in (3, 4)]
+    snapshots = {"ours": [], "ref": []}
+    for i, batch in enumerate(batches):
+        up = batch["up"]
+        # as Megatron's schedule runs them: every micro-batch but the last under no_sync
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else ours.no_sync():
+            out = megatron.logprobs(
+                ours, *_model_inputs(batch), batch["labels"], loss_mask=batch["loss_mask"],
+                with_entropy=True,
+            )  # fmt: skip
+            (out.logprobs * up[0] + out.entropy * up[1]).sum().backward()
+        snapshots["ours"].append(weight.main_grad.clone())
+        with contextlib.nullcontext() if last else ref.no_sync():
+            logp, ent = _megatron_path(ref, batch)
+            (logp * up[0] + ent * up[1]).sum().backward()
+        ref_weight = megatron._head_weight(megatron.megatron_head(ref_model))
+        snapshots["ref"].append(ref_weight.main_grad.clone())
+        logp64, ent64 = _megatron_path(truth, batch)
+        (logp64 * up[0] + ent64 * up[1]).sum().backward()
+    del node
+    ours_g, ref_g, exact = _main_grads(ours), _main_grads(ref), _grads(truth)
+    assert set(ours_g) == set(ref_g) == set(exact), set(ours_g) ^ set(exact)
+    floor = 2 * _param_floor(batches[0])
+    truth_w = megatron._head_weight(megatron.megatron_head(truth))
+    exact_name = next(n for n, p in truth.named_parameters() if p is truth_w)
+    for name in ref_g:
+        assert_no_worse_than_reference(
+            ours_g[name], ref_g[name], exact[name], f"rank {rank}: main_grad {name}", floor=floor
+        )
+    # after the first micro-batch alone (the weight's float64 gradient: the second batch's
+    # share subtracted is not exact, so hold it to the first one's truth)
+    first = _megatron_path(truth, batches[0])
+    (first[0] * batches[0]["up"][0] + first[1] * batches[0]["up"][1]).sum().backward()
+    assert_no_worse_than_reference(
+        snapshots["ours"][0], snapshots["ref"][0], _grads(truth)[exact_name],
+        f"rank {rank}: main_grad after micro-batch 1", floor=floor,
+    )  # fmt: skip
+    # what DDP's hook saw on the head's weight, once per backward
+    if tied:  # the embedding's gradient, for the hook to add; not flagged
+        assert seen == [(weight.numel() * 4, False)] * 2, seen
+    else:  # the one-element placeholder and the flag: the hook adds nothing
+        assert seen == [(weight.element_size(), True)] * 2, seen
+    assert weight.grad is None
+
+    # the fused loss: its weight gradient added into main_grad by backward()
+    seen.clear()
+    batch = batches[0]
+    with torch.no_grad():
+        logp = megatron.logprobs(ours, *_model_inputs(batch), batch["labels"],
+                                 loss_mask=batch["loss_mask"]).logprobs  # fmt: skip
+    inputs = _loss_inputs(batch, logp)
+    loss, _ = megatron.policy_loss(
+        ours, *_model_inputs(batch), batch["labels"], inputs, config=CONFIG,
+        loss_mask=batch["loss_mask"],
+    )  # fmt: skip
+    loss.backward()
+    _composed(_megatron_path(ref, batch)[0], inputs, None).backward()
+    _composed(_megatron_path(truth, batch)[0], inputs, None).backward()
+    ours_g, ref_g, exact = _main_grads(ours), _main_grads(ref), _grads(truth)
+    for name in ref_g:
+        assert_no_worse_than_reference(
+            ours_g[name], ref_g[name], exact[name], f"rank {rank}: fused main_grad {name}",
+            floor=floor,
+        )  # fmt: skip
+
+    # True without Megatron's DDP: no main_grad to add into, on every rank
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion=True needs"):
+        megatron.logprobs(
+            build(), *_model_inputs(batch), batch["labels"], gradient_accumulation_fusion=True
+        )
+
+
 def _run_checks(rank: int, world: int, checks: list[tuple[str, tuple]]) -> dict[str, str | None]:
     """Run each check on this rank; its failure as text (None: passed), so one spawn serves
     several tests. After a failure the rank runs no further check (they are reported as not
@@ -560,6 +682,7 @@ def _invariant_case(rank: int) -> None:
 
 
 CHECKS["invariant"] = _invariant_case
+CHECKS["fusion"] = _fusion_case
 
 
 def _checks_of(world: int) -> list[tuple[str, tuple]]:
@@ -574,6 +697,8 @@ EXTRA_CHECKS: dict[int, list[tuple[str, tuple]]] = {
         ("divergence", ()),
         ("errors", ()),
         ("invariant", ()),
+        ("fusion", (False, False)),
+        ("fusion:sp_tied", (True, True)),
     ],
 }
 
@@ -625,6 +750,15 @@ def test_batch_invariant_bits_and_ratio(two_ranks):
     _passed(two_ranks, "invariant")
 
 
+@pytest.mark.parametrize("name", ["fusion", "fusion:sp_tied"])
+def test_gradient_accumulation_fusion_into_ddp_main_grad(two_ranks, name):
+    """The head's weight gradient straight into megatron-core DDP's main_grad (TP=2,
+    overlap_grad_reduce; then sequence parallelism with tied embeddings), over two
+    micro-batches and for the fused loss, vs Megatron's logits path through the same DDP and
+    float64; DDP's hook sees the flag and a one-element placeholder."""
+    _passed(two_ranks, name)
+
+
 def test_bad_input_raises_on_every_rank(two_ranks):
     _passed(two_ranks, "errors")
 
@@ -643,6 +777,33 @@ def test_benchmark_script_runs(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=root,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "megatron: peak" in proc.stdout and "logitless: peak" in proc.stdout, proc.stdout
+    assert "megatron (logprobs): peak" in proc.stdout, proc.stdout
+    assert "logitless (logprobs): peak" in proc.stdout, proc.stdout
     assert "ratio logitless/megatron" in proc.stdout, proc.stdout
     assert (tmp_path / "mh.csv").read_text().count("\n") == 3  # header + 2 rows
+
+
+def test_benchmark_loss_task_runs(tmp_path):
+    """benchmarks/megatron_head.py --task loss --main-grad on a tiny shape: both ways give
+    the same loss; the rows are appended to an older CSV, whose header gains the columns."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    old = "method,tp,seq,hidden,vocab,entropy,peak_mb_per_rank,median_s\n"
+    (tmp_path / "mh.csv").write_text(old + "megatron,2,64,32,500,True,1.0,0.1\n")
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "megatron_head.py"),
+         *("--seq", "64", "--hidden", "32", "--vocab", "500", "--tp", "2", "--repeats", "1"),
+         "--entropy", "--task", "loss", "--main-grad", "--csv", str(tmp_path / "mh.csv")],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = re.findall(r"\((?:loss, main_grad)\): peak .* loss (-?[0-9.]+)", proc.stdout)
+    assert len(losses) == 2, proc.stdout
+    assert abs(float(losses[0]) - float(losses[1])) < 1e-5, proc.stdout
+    lines = (tmp_path / "mh.csv").read_text().splitlines()
+    assert lines[0] == old.strip() + ",task,main_grad" and len(lines) == 4, lines
+    assert lines[1].endswith("0.1,,") and lines[3].endswith(",loss,True"), lines

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ..contract.options import WeightGradInto
 from ..contract.vocab import VocabParallel
 from ..transform import LogitTransform, compute_dtype
 
@@ -266,7 +267,9 @@ class KernelOptions:
     transform: logit scale, softcap and scalar temperature; schedule: the torch tiles' cut of
     the work; vocab_parallel: this rank's vocabulary shard (the kernels' labels are then
     shard-local); backend: the resolved backend that runs the rows; chunk_size: the caller's
-    rows per pass (None: the backend's choice).
+    rows per pass (None: the backend's choice); weight_grad_into: the buffer a backward adds
+    the weight gradient into (its compute-dtype ``[V, H]``: the backends return None for dW
+    then), or None.
     """
 
     transform: LogitTransform
@@ -276,6 +279,13 @@ class KernelOptions:
     vocab_parallel: VocabParallel | None = None
     backend: str = "torch"
     chunk_size: int | None = None
+    weight_grad_into: WeightGradInto | None = None
+
+    @property
+    def weight_grad_buffer(self) -> torch.Tensor | None:
+        """The tensor dW is added into (None: the backends return dW)."""
+        into = self.weight_grad_into
+        return None if into is None else into.buffer
 
     @property
     def compute_dtype(self) -> torch.dtype:

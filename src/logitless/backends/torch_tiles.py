@@ -255,7 +255,9 @@ class GradAccumulator:
     """Accumulates dh [M, H], dW [V, H] and db [V] tile by tile; returns them in input dtypes.
 
     The weight gradient accumulates in fp32 when the parameter is lower precision and more than
-    one row chunk contributes; otherwise directly in the parameter's dtype.
+    one row chunk contributes; otherwise directly in the parameter's dtype. With
+    ``opts.weight_grad_into`` it accumulates straight into that buffer (compute dtype, added to
+    what it holds) and :meth:`result` returns None for it.
     """
 
     def __init__(self, hidden, weight, bias, needs, opts: KernelOptions) -> None:
@@ -269,7 +271,12 @@ class GradAccumulator:
         cd = opts.compute_dtype
         w_dtype = weight.dtype if weight.dtype == cd or not multi_chunk else cd
         self.dh = torch.zeros(num_rows, dim, device=dev, dtype=cd) if need_h else None
-        self.dw = torch.zeros(vocab, dim, device=dev, dtype=w_dtype) if need_w else None
+        self.into = opts.weight_grad_buffer if need_w else None
+        self.dw = None
+        if self.into is not None:
+            self.dw = self.into
+        elif need_w:
+            self.dw = torch.zeros(vocab, dim, device=dev, dtype=w_dtype)
         self.db = None
         if need_b and bias is not None:
             self.db = torch.zeros(vocab, device=dev, dtype=cd)
@@ -299,9 +306,10 @@ class GradAccumulator:
         """
         if vp is not None:
             vp.reduce_hidden(self.dh)
+        dw = None if self.dw is None or self.into is not None else self.dw.to(self.weight.dtype)
         return (
             None if self.dh is None else self.dh.to(self.hidden.dtype),
-            None if self.dw is None else self.dw.to(self.weight.dtype),
+            dw,
             None if self.db is None else self.db.to(self.bias.dtype),
         )
 

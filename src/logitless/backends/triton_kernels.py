@@ -807,9 +807,13 @@ def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWr
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     passes = _row_passes(num_rows, opts)
     one_pass = len(passes) <= 1
-    # dW: written once per vocab chunk when one pass covers every row, else summed in fp32.
+    # dW: written once per vocab chunk when one pass covers every row, else summed in fp32;
+    # with a caller's buffer (opts.weight_grad_into), added into it chunk by chunk.
     dw = db = dh = None
-    if need_w:
+    into = opts.weight_grad_buffer if need_w else None
+    if into is not None:
+        dw = into
+    elif need_w:
         direct = one_pass
         dw = torch.empty_like(weight) if direct else torch.zeros(vocab, dim, device=dev)
     if need_b:
@@ -818,7 +822,8 @@ def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWr
         dh = torch.empty_like(hidden)
     if num_rows == 0:
         dh = torch.zeros_like(hidden) if need_h else None
-        return dh, None if dw is None else dw.zero_(), None if db is None else db.to(bias.dtype)
+        dw = None if dw is None or into is not None else dw.zero_()
+        return dh, dw, None if db is None else db.to(bias.dtype)
 
     h_all = hidden.to(hd)
     dh_acc = None
@@ -836,7 +841,7 @@ def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWr
             if db is not None:
                 db[v0 : v0 + width] += dz.sum(0, dtype=torch.float32)
             if dw is not None:
-                if not one_pass:
+                if not one_pass or into is not None:
                     _add_product(dw[v0 : v0 + width], dz.t(), h_rows)
                 elif dw.dtype == hd:
                     torch.mm(dz.t(), h_rows, out=dw[v0 : v0 + width])
@@ -853,7 +858,9 @@ def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWr
             else:
                 dh[r0:r1] = dh_acc
         del dh_acc
-    if dw is not None and dw.dtype != weight.dtype:
+    if into is not None:
+        dw = None
+    elif dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     return dh, dw, None if db is None else db.to(bias.dtype)
 

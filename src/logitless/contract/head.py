@@ -22,7 +22,7 @@ from ..transform import LogitTransform, compute_dtype
 from .backend import resolve_backend
 from .checks import INT_DTYPES, check_full_precision, fmt_shape, is_dtensor, per_position
 from .collectives import check_then_agree
-from .options import HeadOptions, SamplerOptions
+from .options import HeadOptions, SamplerOptions, WeightGradInto
 from .replay import ReplayArgs, check_sampler
 from .vocab import VocabParallel
 
@@ -54,7 +54,9 @@ class HeadCall:
     caller's ``labels.shape``; num_valid: rows whose label is not ``ignore_index`` (None in
     the capturable mode, which never reads it); capturable / row_capacity: the capturable mode
     (:class:`~.options.HeadOptions`); batch_invariant: the batch-invariant schedule
-    (:class:`~.options.HeadOptions`); replay: the checked sampler (None: no sampling replay).
+    (:class:`~.options.HeadOptions`); replay: the checked sampler (None: no sampling replay);
+    weight_grad_into: where the weight's gradient is added instead of returned (checked
+    against the weight), or None.
     """
 
     hidden: torch.Tensor
@@ -75,6 +77,7 @@ class HeadCall:
     capturable: bool = False
     row_capacity: int | None = None
     batch_invariant: bool = False
+    weight_grad_into: WeightGradInto | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -148,6 +151,7 @@ def _check(
             "use capturable=False with sampling_mask / top_k / top_p / min_p"
         )
     scalar_t = None if isinstance(options.temperature, torch.Tensor) else options.temperature
+    _check_grad_into(options.weight_grad_into, weight, compute_dtype(head_dtype), names, sampler)
     return HeadCall(
         hidden=hidden.reshape(-1, weight.shape[1]),
         weight=weight,
@@ -167,7 +171,39 @@ def _check(
         capturable=options.capturable,
         row_capacity=options.row_capacity,
         batch_invariant=options.batch_invariant,
+        weight_grad_into=options.weight_grad_into,
     )
+
+
+def _check_grad_into(
+    into: WeightGradInto | None,
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    names: ArgNames,
+    sampler: SamplerOptions,
+) -> None:
+    """The buffer a weight gradient is added into: the weight's shape and device, the compute
+    dtype, one dense block, not the weight itself; not with sampling replay (its backward
+    returns the weight gradient its own way)."""
+    if into is None:
+        return
+    buf, w = into.buffer, names.weight
+    if buf.shape != weight.shape or buf.dtype != dtype or buf.device != weight.device:
+        raise ValueError(
+            f"weight_grad_into.buffer must be a {dtype} tensor of {w}'s shape "
+            f"{fmt_shape(weight)} on {weight.device} (Megatron's main_grad with fp32 "
+            f"gradients), got {buf.dtype} of shape {fmt_shape(buf)} on {buf.device}"
+        )
+    if not buf.is_contiguous() or buf.requires_grad or buf is weight:
+        raise ValueError(
+            f"weight_grad_into.buffer must be a contiguous tensor that does not require grad "
+            f"and is not {w} itself"
+        )
+    if sampler.replaying:
+        raise ValueError(
+            "weight_grad_into is not supported with sampling replay (sampling_mask / top_k / "
+            "top_p / min_p): the replay backward returns the weight gradient itself"
+        )
 
 
 def _check_plain_tensors(tensors: dict[str, object], names: ArgNames) -> None:

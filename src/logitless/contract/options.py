@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypedDict
 
@@ -28,6 +28,30 @@ from .sampling import SamplingMask
 from .vocab import VocabParallel
 
 Backend = Literal["auto", "triton", "torch"]
+
+
+@dataclass(frozen=True, eq=False)
+class WeightGradInto:
+    """Gradient-accumulation fusion: the weight's gradient is added into ``buffer`` instead of
+    being returned to autograd (Megatron DDP's ``param.main_grad``).
+
+    buffer: ``[V, H]`` like the weight (this rank's shard under vocab parallelism), on its
+        device, in the compute dtype (fp32 for fp32 / bf16 / fp16 heads): each backward adds
+        the weight gradient into it, in that dtype; the weight itself gets no gradient from
+        the call (autograd sees None). The log-prob op adds tile by tile (no ``[V, H]``
+        gradient exists); the fused loss, whose gradient is taken before the loss's upstream
+        gradient is known, keeps its weight gradient in an fp32 scratch until ``backward()``
+        and adds it then, scaled.
+    on_added: called after each add, once per backward (Megatron: mark the parameter
+        ``grad_added_to_main_grad`` for DDP's hook), or None.
+    """
+
+    buffer: torch.Tensor
+    on_added: Callable[[], None] | None = None
+
+    def added(self) -> None:
+        if self.on_added is not None:
+            self.on_added()
 
 
 def _check_backend_name(backend: object) -> None:
@@ -62,6 +86,8 @@ class HeadOptions:
         many rows, their values and order, how many are ignored, the caller's chunking, with or
         without gradients; the fused loss runs the log-prob op's forward): fixed row blocks and
         a tile width from the vocabulary and device alone (docs/head.md, "Batch invariance").
+    weight_grad_into: a :class:`WeightGradInto` (the weight's gradient added into a
+        caller's buffer instead of returned), or None.
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -76,6 +102,7 @@ class HeadOptions:
     capturable: bool = False
     row_capacity: int | None = None
     batch_invariant: bool = False
+    weight_grad_into: WeightGradInto | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, torch.Tensor):
@@ -98,6 +125,14 @@ class HeadOptions:
         check_flag("capturable", self.capturable)
         check_optional_int("row_capacity", self.row_capacity, minimum=1)
         check_flag("batch_invariant", self.batch_invariant)
+        into = self.weight_grad_into
+        if into is not None and not (
+            isinstance(into, WeightGradInto) and isinstance(into.buffer, torch.Tensor)
+        ):
+            raise ValueError(
+                f"weight_grad_into must be a logitless.contract.options.WeightGradInto holding "
+                f"a tensor, or None, got {type(into).__name__}"
+            )
         if self.row_capacity is not None and not self.capturable:
             raise ValueError(
                 "row_capacity needs capturable=True (the default mode selects the valid rows "

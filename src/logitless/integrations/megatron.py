@@ -27,6 +27,9 @@ What the model hands the head, in Megatron's terms (DESIGN.md, "Integrations: on
   ``r`` holds chunks ``r`` and ``2·cp−1−r`` (Megatron's ``get_batch_on_this_cp_rank`` split);
   the losses sum their per-document statistics over the context-parallel group.
 
+Under Megatron's DDP the head's weight gradient is added straight into the weight's
+``main_grad`` (``gradient_accumulation_fusion``, on by default there: :func:`main_grad_into`).
+
 Multi-token-prediction heads (``mtp_num_layers``) are refused: their losses are computed from
 the logits inside ``GPTModel``. Bad input raises ``ValueError`` on every rank of the
 tensor- and context-parallel groups together.
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 from ..contract.collectives import exchange, other_rank_failed
+from ..contract.options import WeightGradInto
 from ..contract.vocab import VocabParallel
 from ..losses import LossNormalizer, PolicyLossConfig, loss_normalizer
 from ..types import Divergence, LogProbs
@@ -53,6 +57,7 @@ __all__ = [
     "MegatronHead",
     "divergence",
     "logprobs",
+    "main_grad_into",
     "megatron_head",
     "policy_loss",
     "policy_loss_step",
@@ -387,6 +392,7 @@ def logprobs(
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     batch_invariant: bool = False,
+    gradient_accumulation_fusion: bool | None = None,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of ``labels`` under ``model``: ``[B, S]`` fp32.
@@ -401,6 +407,10 @@ def logprobs(
     ``model_kwargs`` go to it unchanged. Gradients reach ``output_layer``'s weight (or the
     tied embedding) and every decoder parameter. ``batch_invariant``: as in
     :func:`logitless.linear_logprobs` (for a fixed tensor-parallel size).
+    ``gradient_accumulation_fusion``: add the weight's gradient straight into the
+    ``main_grad`` Megatron's DDP gave it, tile by tile, instead of returning a
+    ``[V/tp, H]`` gradient (:func:`main_grad_into`; None: wherever DDP gave it an fp32
+    ``main_grad``).
     """
     head, target, args, kwargs = _prepare(
         model, input_ids, position_ids, attention_mask, labels, loss_mask, packed_seq_params,
@@ -412,6 +422,7 @@ def logprobs(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
         batch_invariant=batch_invariant,
+        weight_grad_into=_grad_into(head, gradient_accumulation_fusion, head_dtype),
     )
     return _run_head(
         head,
@@ -439,6 +450,7 @@ def policy_loss(
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     batch_invariant: bool = False,
+    gradient_accumulation_fusion: bool | None = None,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The fused policy loss of ``model`` on one micro-batch: ``(loss, metrics)`` of
@@ -453,6 +465,9 @@ def policy_loss(
     (``config.distill_coef``, ``distill_beta``), run first without gradient inside its own
     ``output_layer``'s forward; or pass ``inputs.teacher`` yourself. ``batch_invariant``:
     the log-probs inside the loss are :func:`logprobs`'s with it, bit for bit.
+    ``gradient_accumulation_fusion``: as in :func:`logprobs`; the loss's weight gradient,
+    taken in the forward pass, waits in an fp32 scratch until ``backward()`` adds it into
+    ``main_grad`` (docs/megatron.md).
     """
     head = megatron_head(model)
     layout = token_layout(head, labels, loss_mask, packed_seq_params)
@@ -466,6 +481,9 @@ def policy_loss(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
         batch_invariant=batch_invariant,
+        weight_grad_into=_grad_into(
+            head, gradient_accumulation_fusion, head_dtype, shared=_distills(teacher, inputs)
+        ),
     )
     return _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher)
 
@@ -546,6 +564,86 @@ def _run_teacher(head: MegatronHead, teacher: nn.Module, args, kwargs, target):
         return _run_head(t_head, args, kwargs, target, lambda t, w: (t, w))
 
 
+# --- gradient-accumulation fusion: the weight gradient into DDP's main_grad --------------
+
+
+def _head_weight(head: MegatronHead) -> torch.Tensor:
+    """The weight ``GPTModel`` hands ``output_layer``: the input embedding's shard when the
+    two are shared on this stage, else ``output_layer.weight``."""
+    model = head.model
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def main_grad_into(
+    weight: torch.Tensor, *, shared: bool = False, dtype: torch.dtype = torch.float32
+) -> WeightGradInto | None:
+    """The weight's Megatron DDP ``main_grad`` as a :class:`WeightGradInto` (None when DDP
+    gave it none of ``dtype``).
+
+    Megatron's protocol, as ``ColumnParallelLinear`` follows it under
+    ``gradient_accumulation_fusion``: after the gradient is added into ``main_grad``, the
+    parameter is marked ``grad_added_to_main_grad`` and carries a placeholder ``.grad``, so
+    DDP's backward hook (which asserts a gradient under ``overlap_grad_reduce``) marks it
+    ready without adding anything. The placeholder is one element seen as ``[V/tp, H]``
+    (``expand``), set on the parameter after the add: Megatron's own is a full
+    ``torch.empty`` of that shape. ``shared``: the weight gets another gradient in the same
+    backward (the input embedding it is tied to, a distillation term): then neither the flag
+    nor the placeholder is set, and that gradient arrives as ``.grad`` for the hook to add.
+    """
+    main = getattr(weight, "main_grad", None)
+    if not isinstance(main, torch.Tensor) or not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    if main.dtype != dtype or main.shape != weight.shape or main.device != weight.device:
+        return None
+    return WeightGradInto(main, None if shared else lambda: _mark_added(weight))
+
+
+def _distills(teacher: nn.Module | None, inputs: LossInputs) -> bool:
+    """Whether the loss has a distillation term, whose weight gradient reaches the weight
+    through autograd."""
+    return teacher is not None or inputs.teacher is not None
+
+
+def _mark_added(weight: torch.Tensor) -> None:
+    weight.grad_added_to_main_grad = True
+    if weight.grad is None:
+        weight.grad = weight.new_empty(()).expand(weight.shape)
+
+
+def _grad_into(
+    head: MegatronHead, mode: bool | None, head_dtype: torch.dtype | None, *, shared=False
+) -> WeightGradInto | None:
+    """The destination of the head's weight gradient under ``gradient_accumulation_fusion``
+    ``mode`` (None: wherever Megatron DDP gave the weight a ``main_grad`` of the compute
+    dtype; True: required; False: off). Raises on every rank together."""
+    if mode is not None and not isinstance(mode, bool):
+        raise ValueError(f"gradient_accumulation_fusion must be None, True or False, got {mode!r}")
+    weight = _head_weight(head)
+    if mode is False or not torch.is_grad_enabled() or not weight.requires_grad:
+        return None
+    from ..transform import compute_dtype
+
+    dtype = compute_dtype(head_dtype if head_dtype is not None else weight.dtype)
+    model = head.model
+    tied = model.share_embeddings_and_output_weights and model.pre_process
+    into = main_grad_into(weight, shared=shared or tied, dtype=dtype)
+    if mode:  # the one case that can fail: every rank asked for it, so all of them agree here
+        error = None
+        if into is None:
+            main = getattr(weight, "main_grad", None)
+            got = "none" if main is None else f"{main.dtype} {list(main.shape)}"
+            error = ValueError(
+                f"gradient_accumulation_fusion=True needs output_layer's weight to carry "
+                f"Megatron DDP's main_grad ({dtype}, {list(weight.shape)}: wrap the model in "
+                f"megatron.core.distributed.DistributedDataParallel, with grad_reduce_in_fp32 "
+                f"for 16-bit weights), got {got}"
+            )
+        _agree(head, error, "logitless.integrations.megatron")
+    return into
+
+
 # --- Megatron's pipeline schedule ---------------------------------------------------------
 
 
@@ -602,6 +700,7 @@ def policy_loss_step(
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
+    gradient_accumulation_fusion: bool | None = None,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
     """What a ``forward_step`` returns: ``(output_tensor, loss_func)``.
@@ -636,6 +735,9 @@ def policy_loss_step(
         temperature=temperature,
         chunk_size=chunk_size,
         head_dtype=head_dtype,
+        weight_grad_into=_grad_into(
+            head, gradient_accumulation_fusion, head_dtype, shared=_distills(teacher, inputs)
+        ),
     )
     loss, metrics = _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher)
     num_tokens = layout[0].sum().to(torch.int)

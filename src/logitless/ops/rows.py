@@ -146,6 +146,7 @@ def kernel_options(call: HeadCall, num_rows: int, *, fused: bool = False) -> Ker
         vocab_parallel=vp,
         backend=call.backend,
         chunk_size=call.chunk_size,
+        weight_grad_into=call.weight_grad_into,
     )
 
 

@@ -18,13 +18,15 @@ Triton backend always runs the statistics first, see its module.)
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...backends import backend_for
 from ...backends.base import RowBatch
 from ...contract.divergence import TeacherTopK
 from ...contract.head import HeadCall, check_head_call
-from ...contract.options import Backend, HeadOptions, SamplerOptions
+from ...contract.options import Backend, HeadOptions, SamplerOptions, WeightGradInto
 from ...contract.vocab import VocabParallel
 from ...losses import LossNormalizer, PolicyLossConfig
 from ...losses.call import LossCall
@@ -69,6 +71,7 @@ def fused_policy_loss(
     row_capacity: int | None = None,
     batch_invariant: bool = False,
     teacher: TeacherHead | TeacherTopK | None = None,
+    weight_grad_into: WeightGradInto | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss straight from hidden states, with the head's gradients taken in forward.
 
@@ -136,6 +139,12 @@ def fused_policy_loss(
             divergence=D)``; metric ``distill_divergence``. The divergence is its own pass
             over both heads; its gradient reaches hidden, weight and bias through autograd.
             Not with sampling replay or ``capturable``.
+        weight_grad_into: as in :func:`logitless.linear_logprobs` (gradient-accumulation
+            fusion). The weight gradient is taken in the forward pass, before the loss's
+            upstream gradient is known, so it waits in an fp32 ``[V, H]`` scratch until
+            ``backward()``, which adds it (times that upstream gradient) into the buffer and
+            frees it. The distillation term's weight gradient (``teacher=``) still reaches
+            the weight through autograd.
 
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
@@ -281,9 +290,8 @@ def fused_loss_of_call(
     else:
         value, metrics, grads, d_div = _fused_rows(call, rows, batch, loss, loss_call, needs)
     if grads is not None and call.tracked:
-        value = _StoredGradients.apply(
-            value, _GradStore(grads), rows.hidden, call.weight, call.bias
-        )
+        store = _GradStore(grads, call.weight_grad_into)
+        value = _StoredGradients.apply(value, store, rows.hidden, call.weight, call.bias)
     if call.replay is None:
         value = _through_divergence(value, divergence, d_div)
     return value, metrics
@@ -340,8 +348,15 @@ def _fused_rows(call: HeadCall, rows, batch: RowBatch, loss: RowLoss, loss_call,
         stats = loss.stats(prefill) if grouped else None
         grad_fn = all_rows_grad_fn(loss, prefill, prefill_ent, stats)
     opts = kernel_options(call, batch.hidden.shape[0], fused=True)
+    if opts.weight_grad_into is not None and needs[1]:
+        # The loss's upstream gradient is not known yet: dW waits in a scratch of the buffer's
+        # dtype (the kernels add into it), and _StoredGradients adds it, scaled, in backward.
+        scratch = WeightGradInto(torch.zeros_like(opts.weight_grad_into.buffer))
+        opts = dataclasses.replace(opts, weight_grad_into=scratch)
     if call.tracked:
         logp, ent, grads = backend_for(opts).fused_rows(batch, opts, grad_fn, needs)
+        if opts.weight_grad_into is not None and needs[1]:
+            grads = (grads[0], opts.weight_grad_into.buffer, grads[2])  # the scratch
     else:  # only the divergence needs a gradient
         (logp, ent), grads = _no_grad_pass(call, batch), None
     with torch.no_grad():
@@ -350,10 +365,14 @@ def _fused_rows(call: HeadCall, rows, batch: RowBatch, loss: RowLoss, loss_call,
 
 
 class _GradStore:
-    """Gradients computed in forward, handed to autograd once by the first backward."""
+    """Gradients computed in forward, handed to autograd once by the first backward.
 
-    def __init__(self, grads: tuple) -> None:
+    ``into``: the call's :class:`WeightGradInto`; the weight's gradient (then an fp32
+    scratch) is added into its buffer instead of handed to autograd."""
+
+    def __init__(self, grads: tuple, into: WeightGradInto | None = None) -> None:
         self.grads: tuple | None = grads
+        self.into = into
 
 
 class _StoredGradients(torch.autograd.Function):
@@ -375,4 +394,9 @@ class _StoredGradients(torch.autograd.Function):
                 "the loss again to backpropagate again."
             )
         dh, dw, db = (None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        into = ctx.store.into
+        if into is not None and dw is not None:
+            into.buffer.add_(dw)
+            into.added()
+            dw = None
         return None, None, dh, dw, db

@@ -42,6 +42,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
             ctx.opts,
             needs,
         )
+        if needs[1] and ctx.opts.weight_grad_into is not None:
+            ctx.opts.weight_grad_into.added()  # dW went into the buffer; autograd gets None
         return gh, gw, gb, None, None, None
 
 

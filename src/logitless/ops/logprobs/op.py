@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...contract.head import HeadCall, check_head_call
-from ...contract.options import Backend, HeadOptions, SamplerOptions
+from ...contract.options import Backend, HeadOptions, SamplerOptions, WeightGradInto
 from ...contract.vocab import VocabParallel
 from ...sampling import SamplingMask
 from ...types import LogProbs
@@ -36,6 +36,7 @@ def linear_logprobs(
     capturable: bool = False,
     row_capacity: int | None = None,
     batch_invariant: bool = False,
+    weight_grad_into: WeightGradInto | None = None,
 ) -> LogProbs:
     """Log-probability of each label (and the entropy of each row) straight from hidden states.
 
@@ -116,6 +117,13 @@ def linear_logprobs(
             of the torch tiles (the last one padded); refused with a ``ValueError`` where the
             device's matmul gives a row different bits at another place in a block (checked
             once, on the first call). Composes with ``capturable``.
+        weight_grad_into: gradient-accumulation fusion: a
+            :class:`~logitless.contract.options.WeightGradInto` whose ``buffer`` (``[V, H]``
+            like ``weight``, in the compute dtype: fp32 for fp32 / bf16 / fp16 heads) the
+            backward adds the weight gradient into, tile by tile, instead of returning it:
+            no ``[V, H]`` gradient tensor is allocated and ``weight`` gets no gradient through
+            autograd (Megatron DDP's ``main_grad``; see docs/megatron.md). Not with sampling
+            replay or under ``torch.compile``.
 
     Returns:
         :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape`` (float64
@@ -154,7 +162,13 @@ def logprobs_of(
     sampler: SamplerOptions,
 ) -> LogProbs:
     """:func:`linear_logprobs` with its options as objects (the modules' entry)."""
-    if options.vocab_parallel is None and not sampler.replaying and torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling and options.weight_grad_into is not None:
+        raise ValueError(
+            "weight_grad_into is not supported under torch.compile: the compiled op returns "
+            "the weight gradient to autograd"
+        )
+    if options.vocab_parallel is None and not sampler.replaying and compiling:
         # Compiled code calls the op as one opaque custom op (same checks and kernels inside):
         # the checks' host read and the data-dependent row selection cannot be traced.
         from .compiled import linear_logprobs_op
