@@ -285,4 +285,5 @@ def _divergence_on_head(
             with_logprobs=div.with_logprobs, with_entropy=options.with_entropy,
             ignore_index=options.ignore_index, chunk_size=options.chunk_size,
             head_dtype=options.head_dtype, backend=options.backend,
+            batch_invariant=options.batch_invariant,
         )  # fmt: skip
