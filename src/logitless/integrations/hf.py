@@ -550,12 +550,6 @@ def causal_lm_divergence(
     return run_in_forward(model, hf_seam.divergence_in_forward, *args)
 
 
-# The verl backend called these two by their old private names; kept until its move onto the
-# seam (which calls neither) lands. Nothing else may use them: tests/test_integration_layout.py.
-_ModelBatch = ModelBatch
-_logprobs_in_forward = hf_seam.logprobs_in_forward
-
-
 # --------------------------------------------------------------------------------------------
 # the names logitless knows: refused in **model_kwargs (see _check_model_kwargs)
 
