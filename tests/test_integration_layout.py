@@ -10,7 +10,9 @@ Read from the sources' syntax trees, so it runs without TRL, transformers or Meg
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -35,23 +37,38 @@ def _sibling(node: ast.ImportFrom, name: str | None = None) -> str | None:
     return None
 
 
-def imports(tree: ast.Module) -> dict[str, set[str]]:
-    """Sibling module -> the names a module takes from it (``*`` for the module itself),
-    wherever the import statement sits (a function-level import is an import)."""
-    found: dict[str, set[str]] = {}
+class _SiblingImport(NamedTuple):
+    sibling: str  # the integration module imported from
+    name: str  # the name taken from it, "*" for the module itself
+    local: str | None  # the local name the module itself is bound to, else None
+    line: int
+
+
+def _sibling_imports(tree: ast.Module) -> Iterator[_SiblingImport]:
+    """Every import of a sibling module or of a name from one, wherever the import statement
+    sits (a function-level import is an import)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 sibling = _sibling(node, alias.name)
                 if sibling is None or sibling not in MODULES:
                     continue
-                taken = "*" if sibling == alias.name and not node.module else alias.name
-                found.setdefault(sibling, set()).add(taken)
+                if not node.module or node.module == "logitless.integrations":  # the module
+                    yield _SiblingImport(sibling, "*", alias.asname or alias.name, node.lineno)
+                else:
+                    yield _SiblingImport(sibling, alias.name, None, node.lineno)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[:2] == ["logitless", "integrations"] and len(parts) > 2:
-                    found.setdefault(parts[2], set()).add("*")
+                    yield _SiblingImport(parts[2], "*", alias.asname, node.lineno)
+
+
+def imports(tree: ast.Module) -> dict[str, set[str]]:
+    """Sibling module -> the names a module takes from it (``*`` for the module itself)."""
+    found: dict[str, set[str]] = {}
+    for imp in _sibling_imports(tree):
+        found.setdefault(imp.sibling, set()).add(imp.name)
     return found
 
 
@@ -59,21 +76,11 @@ def private_uses(tree: ast.Module) -> list[str]:
     """``sibling._name`` attribute reads and ``from .sibling import _name`` in a module."""
     aliases: dict[str, str] = {}  # the local name of an imported sibling module -> its name
     uses = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            for alias in node.names:
-                sibling = _sibling(node, alias.name)
-                if sibling is None or sibling not in MODULES:
-                    continue
-                if not node.module or node.module == "logitless.integrations":
-                    aliases[alias.asname or alias.name] = sibling
-                elif alias.name.startswith("_"):
-                    uses.append(f"from {sibling} import {alias.name} (line {node.lineno})")
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[:2] == ["logitless", "integrations"] and len(parts) > 2 and alias.asname:
-                    aliases[alias.asname] = parts[2]
+    for imp in _sibling_imports(tree):
+        if imp.local is not None:
+            aliases[imp.local] = imp.sibling
+        elif imp.name.startswith("_"):
+            uses.append(f"from {imp.sibling} import {imp.name} (line {imp.line})")
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
