@@ -84,22 +84,26 @@ def _engine_step(variant: str, args: argparse.Namespace):
     gen = torch.Generator().manual_seed(1)
     lengths = [args.tokens // args.seqs] * args.seqs
     lengths[-1] += args.tokens - sum(lengths)
-    seqs = [torch.randint(0, args.vocab, (n,), generator=gen) for n in lengths]
-    batch = tu.get_tensordict(
-        {
-            "input_ids": torch.nested.nested_tensor(seqs, layout=torch.jagged),
-            "position_ids": torch.nested.nested_tensor(
-                [torch.arange(n) for n in lengths], layout=torch.jagged
-            ),
-        },
-        {
-            "temperature": 1.0,
-            "use_remove_padding": True,
-            "use_fused_kernels": fused,
-            "calculate_entropy": True,
-            "pad_mode": DatasetPadMode.NO_PADDING,
-        },
-    )
+
+    def micro_batch():
+        seqs = [torch.randint(0, args.vocab, (n,), generator=gen) for n in lengths]
+        return tu.get_tensordict(
+            {
+                "input_ids": torch.nested.nested_tensor(seqs, layout=torch.jagged),
+                "position_ids": torch.nested.nested_tensor(
+                    [torch.arange(n) for n in lengths], layout=torch.jagged
+                ),
+            },
+            {
+                "temperature": 1.0,
+                "use_remove_padding": True,
+                "use_fused_kernels": fused,
+                "calculate_entropy": True,
+                "pad_mode": DatasetPadMode.NO_PADDING,
+            },
+        )
+
+    batches = [micro_batch() for _ in range(args.micro_batches)]
     g = torch.randn(args.tokens, generator=gen)
     e = torch.randn(args.tokens, generator=gen) * 0.01
 
@@ -107,23 +111,52 @@ def _engine_step(variant: str, args: argparse.Namespace):
         lp, ent = model_output["log_probs"].values(), model_output["entropy"].values()
         return (lp * g).sum() + (ent * e).sum(), {}
 
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
-        loss, _ = eng.forward_step(batch, loss_function=loss_function, forward_only=False)
+    def micro_step(k: int) -> float:
+        """Forward and backward of micro-batch ``k``; gradients accumulate into ``.grad``."""
+        loss, _ = eng.forward_step(batches[k], loss_function=loss_function, forward_only=False)
         loss.backward()
         return float(loss)
 
-    return model, step
+    return model, micro_step
 
 
 def _worker(variant: str, args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    model, step = _engine_step(variant, args)
-    return time_step(
-        variant, step, lambda: model.zero_grad(set_to_none=True), args.repeats
-    )
+    model, micro_step = _engine_step(variant, args)
+
+    def zero_grad() -> None:
+        model.zero_grad(set_to_none=True)
+
+    def step() -> float:  # one update's worth: gradients freed, then accumulated
+        zero_grad()
+        return sum(micro_step(k) for k in range(args.micro_batches))
+
+    result = time_step(variant, step, zero_grad, args.repeats)
+    result["accum_extra_mb"] = _accumulating_extra_mb(micro_step, zero_grad, args)
+    return result
+
+
+def _accumulating_extra_mb(micro_step, zero_grad, args: argparse.Namespace) -> float | None:
+    """The peak extra RSS (MB) of one micro-batch once the parameter gradients exist (the 2nd
+    and later micro-batches of an update, gradient accumulation): max over micro-batches 2..K
+    of ``--repeats`` steps, each measured from the RSS at its start. None for one micro-batch."""
+    from logitless.apps.memory import CpuPeakMemory
+
+    if args.micro_batches < 2:
+        return None
+    peak = 0
+    for _ in range(args.repeats):
+        zero_grad()
+        micro_step(0)  # allocates every parameter's .grad
+        for k in range(1, args.micro_batches):
+            probe = CpuPeakMemory()
+            probe.start()
+            micro_step(k)
+            peak = max(peak, probe.peak_extra_bytes())
+    zero_grad()
+    return peak / 2**20
 
 
 def _run(variant: str, argv: list[str]) -> dict:
@@ -139,6 +172,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the backbone")
     parser.add_argument("--intermediate", type=int, default=256, help="their MLP width")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--micro-batches", type=int, default=1,
+        help="micro-batches per step, gradients accumulated (verl's ppo_micro_batch_size); "
+        "with 2 or more, also the peak extra of a micro-batch once the gradients exist",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--csv", type=Path, default=None, help="append the rows to this CSV")
@@ -149,6 +187,8 @@ def main() -> None:
         return
     if "torch" not in args.variants:
         parser.error("--variants must include torch (the ratios' base)")
+    if args.micro_batches < 1:
+        parser.error("--micro-batches must be >= 1")
     argv = [a for a in sys.argv[1:]]
     rows = []
     for variant in args.variants:
@@ -156,45 +196,57 @@ def main() -> None:
         rows.append(_run(variant, argv))
     base = next(r for r in rows if r["variant"] == "torch")
     print(
-        f"verl FSDP engine step: {args.tokens} tokens in {args.seqs} packed sequences, "
-        f"H={args.hidden} V={args.vocab}, {args.layers} layer(s), fp32, {args.threads} threads, "
-        f"{args.repeats} timed steps"
+        f"verl FSDP engine step: {args.micro_batches} micro-batch(es) of {args.tokens} tokens in "
+        f"{args.seqs} packed sequences, H={args.hidden} V={args.vocab}, {args.layers} layer(s), "
+        f"fp32, {args.threads} threads, {args.repeats} timed steps"
     )
     print(
         f"{'impl_backend':<26} {'median s':>9} {'peak extra MB':>14} {'RSS HWM MB':>11} "
-        f"{'time/torch':>10} {'mem/torch':>9} {'loss':>11}"
+        f"{'time/torch':>10} {'mem/torch':>9} {'accum extra MB':>15} {'accum/torch':>11} "
+        f"{'loss':>11}"
     )
     for r in rows:
+        accum, accum_ratio = "n/a", "n/a"
+        if r["accum_extra_mb"] is not None:
+            accum = f"{r['accum_extra_mb']:.1f}"
+            accum_ratio = f"{r['accum_extra_mb'] / max(base['accum_extra_mb'], 1e-9):.3f}"
         print(
             f"{r['variant']:<26} {r['time_median_s']:>9.3f} {r['peak_extra_mb']:>14.1f} "
             f"{r['hwm_mb']:>11.1f} {r['time_median_s'] / base['time_median_s']:>10.2f} "
-            f"{r['peak_extra_mb'] / max(base['peak_extra_mb'], 1e-9):>9.3f} {r['loss']:>11.5g}"
+            f"{r['peak_extra_mb'] / max(base['peak_extra_mb'], 1e-9):>9.3f} {accum:>15} "
+            f"{accum_ratio:>11} {r['loss']:>11.5g}"
         )
     if args.csv:
         import torch
         import verl
 
+        header = [
+            "timestamp", "variant", "tokens", "seqs", "hidden", "vocab", "layers", "threads",
+            "repeats", "time_median_s", "peak_extra_mb", "hwm_mb", "machine", "torch", "verl",
+            "micro_batches", "accum_extra_mb",
+        ]  # fmt: skip
         new = not args.csv.exists()
+        if not new:
+            with args.csv.open(newline="") as f:
+                old_header = next(csv.reader(f), [])
+            if old_header != header:
+                raise SystemExit(f"{args.csv} has other columns ({old_header}); use a new file")
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with args.csv.open("a", newline="") as f:
             w = csv.writer(f)
             if new:
-                w.writerow(
-                    [
-                        "timestamp", "variant", "tokens", "seqs", "hidden", "vocab", "layers",
-                        "threads", "repeats", "time_median_s", "peak_extra_mb", "hwm_mb",
-                        "machine", "torch", "verl",
-                    ]
-                )  # fmt: skip
+                w.writerow(header)
             stamp = dt.datetime.now().isoformat(timespec="seconds")
             for r in rows:
+                accum = r["accum_extra_mb"]
                 w.writerow(
                     [
                         stamp, r["variant"], args.tokens, args.seqs, args.hidden, args.vocab,
                         args.layers, args.threads, args.repeats, f"{r['time_median_s']:.4f}",
                         f"{r['peak_extra_mb']:.1f}", f"{r['hwm_mb']:.1f}",
                         platform.processor() or platform.machine(), torch.__version__,
-                        verl.__version__,
+                        verl.__version__, args.micro_batches,
+                        "" if accum is None else f"{accum:.1f}",
                     ]
                 )  # fmt: skip
 

@@ -39,6 +39,7 @@ fused kernels are on, before any forward output is read; logitless has no op for
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import types
@@ -49,7 +50,18 @@ from torch import nn
 
 from . import hf, seam
 
-__all__ = ["BACKENDS", "install", "installed", "uninstall", "use", "verl_forward"]
+__all__ = [
+    "BACKENDS",
+    "install",
+    "install_megatron",
+    "installed",
+    "megatron_forward",
+    "megatron_installed",
+    "uninstall",
+    "uninstall_megatron",
+    "use",
+    "verl_forward",
+]
 
 #: ``fused_kernel_options.impl_backend`` values this module adds, and whether each runs in the
 #: batch-invariant mode.
@@ -300,5 +312,150 @@ def _refuse(
         )
 
 
+# --- verl's Megatron engine ------------------------------------------------------------------
+
+_MCORE_FUSED = "verl.models.mcore.model_forward_fused"
+_MCORE_LEGACY = "_fused_GPTModel_forward"  # megatron-core < 0.18: the GPTModel's forward
+_MCORE_HOOK = "fused_output_processor"  # megatron-core >= 0.18: GPTModel's output_processor
+_mcore_original: dict[str, Any] = {}  # verl's functions while ours are installed
+
+
+def _mcore_available() -> bool:
+    return importlib.util.find_spec("megatron") is not None and (
+        importlib.util.find_spec("megatron.core") is not None
+    )
+
+
+def install_megatron() -> None:
+    """Make logitless the head of verl's Megatron engine when ``use_fused_kernels=True``
+    (idempotent; needs megatron-core).
+
+    verl's Megatron engine (``verl.workers.engine.megatron.transformer_impl``) reads no
+    ``impl_backend``: with fused kernels on, ``patch_fused_forward`` gives each ``GPTModel``
+    instance verl's ``_fused_GPTModel_forward`` (megatron-core < 0.18), which runs the decoder
+    and verl's Triton ``linear_cross_entropy``. This replaces that one function, in the module
+    where ``patch_fused_forward`` looks it up, by :func:`megatron_forward`; models already
+    patched keep the forward they got. Under megatron-core >= 0.18 verl passes its
+    ``fused_output_processor`` to ``GPTModel.forward`` instead: that one is replaced by a
+    function that refuses (not tested: megatron-core 0.18 needs Python 3.12).
+    """
+    module = importlib.import_module(_MCORE_FUSED)
+    if _mcore_original:
+        return
+    for name, ours in ((_MCORE_LEGACY, megatron_forward), (_MCORE_HOOK, _refuse_output_processor)):
+        _mcore_original[name] = getattr(module, name)
+        setattr(module, name, ours)
+
+
+def uninstall_megatron() -> None:
+    """Give verl's Megatron engine its own functions back (a no-op when not installed)."""
+    if not _mcore_original:
+        return
+    module = importlib.import_module(_MCORE_FUSED)
+    for name, theirs in _mcore_original.items():
+        setattr(module, name, theirs)
+    _mcore_original.clear()
+
+
+def megatron_installed() -> bool:
+    """Whether verl's Megatron engine runs logitless's forward now."""
+    module = importlib.import_module(_MCORE_FUSED)
+    return getattr(module, _MCORE_LEGACY) is megatron_forward
+
+
+def megatron_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    decoder_input: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    inference_context: Any = None,
+    packed_seq_params: Any = None,
+    extra_block_kwargs: dict | None = None,
+    runtime_gather_output: bool | None = None,
+    *,
+    inference_params: Any = None,
+    loss_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    padding_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+):
+    """verl's ``_fused_GPTModel_forward`` computed by logitless (a ``GPTModel``'s forward).
+
+    Same arguments and result: ``CausalLMOutputForPPO(log_probs=, entropy=)``, fp32 ``[B, S]``
+    in the labels' layout (verl's packed THD row ``[1, S]``, this context-parallel rank's
+    zigzag chunks), on the last pipeline stage; other stages return the decoder's hidden
+    states as ``GPTModel.forward`` does. The model runs its own ``GPTModel.forward`` and the
+    head runs as its ``output_layer``'s forward (:func:`logitless.integrations.megatron
+    .logprobs`): the vocabulary split over the tensor-parallel group, sequence parallelism
+    gathered, padding of the packed sequences scored 0 (verl's ``postprocess_thd_engine``
+    drops it), the tied embedding when ``share_embeddings_and_output_weights``.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from . import megatron as mg
+
+    refused = [
+        name
+        for name, value in (
+            ("inference_context", inference_context),
+            ("inference_params", inference_params),
+            ("runtime_gather_output", runtime_gather_output),
+        )
+        if value is not None
+    ] + sorted(kwargs)
+    if getattr(packed_seq_params, "local_cp_size", None) is not None:
+        refused.append("dynamic context parallelism (packed_seq_params.local_cp_size)")
+    if getattr(model.config, "experimental_attention_variant", None) == "dsv4_hybrid":
+        refused.append("experimental_attention_variant='dsv4_hybrid' (a contiguous CP layout)")
+    if refused:
+        raise ValueError(
+            "logitless's head for verl's Megatron engine does not support "
+            + ", ".join(refused)
+            + "; set actor_rollout_ref.model.use_fused_kernels=False for this model"
+        )
+    args = (input_ids, position_ids, attention_mask)
+    extra = {
+        k: v
+        for k, v in (
+            ("decoder_input", decoder_input),
+            ("extra_block_kwargs", extra_block_kwargs),
+            ("padding_mask", padding_mask),
+        )
+        if v is not None
+    }
+    own = vars(model).pop("forward", None)  # verl set this function on the instance
+    try:
+        if not model.post_process:
+            return GPTModel.forward(model, *args, packed_seq_params=packed_seq_params, **extra)
+        out = mg.logprobs(
+            model, *args, labels, loss_mask=loss_mask, packed_seq_params=packed_seq_params,
+            with_entropy=True, temperature=temperature, **extra,
+        )  # fmt: skip
+    finally:
+        if own is not None:
+            model.forward = own
+    from verl.utils.model import CausalLMOutputForPPO
+
+    return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
+
+
+def _refuse_output_processor(**_: Any):
+    import megatron.core
+
+    raise ValueError(
+        "logitless.integrations.verl: megatron-core "
+        f"{megatron.core.__version__} calls verl's output_processor hook (megatron-core >= "
+        "0.18), which logitless has not been tested with (megatron-core >= 0.17 needs Python "
+        "3.12; this project tests 0.16 on 3.11, where verl patches GPTModel.forward instead). "
+        "Set actor_rollout_ref.model.use_fused_kernels=False, or leave logitless out of "
+        "external_lib for this job"
+    )
+
+
 if importlib.util.find_spec("verl") is not None:  # verl imports this module (external_lib)
     install()
+    if _mcore_available():
+        with contextlib.suppress(ImportError):  # without what verl's Megatron engine imports
+            install_megatron()
