@@ -6,7 +6,9 @@ head); :func:`install` points them at the CPU, in the spawned test ranks only:
 - ``torch.cuda.current_device()``: where Megatron allocates its global memory buffer (the
   attention's scratch) and the output of its sequence-parallel all-gather;
 - the CUDA RNG tracker's ``fork()`` (dropout regions): a tracker whose fork does nothing;
-- ``torch.zeros(..., device="cuda")`` in the pipeline schedules (the token counter).
+- ``torch.zeros(..., device="cuda")`` in the pipeline schedules (the token counter);
+- ``torch.cuda.current_stream()`` in DDP's gradient sync (0.19; it waits on CUDA-graph
+  events the CPU never records): a stream whose waits do nothing.
 
 The library itself needs none of this. Two things of the local (non-Transformer-Engine) layer
 spec are replaced in the model built here: its layer norm refuses ``sequence_parallel`` (TE's
@@ -62,9 +64,18 @@ def _cpu_torch() -> types.ModuleType:
     return proxy
 
 
+class _CpuStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
 def install() -> None:
     """Point megatron-core's CUDA hard-codings at the CPU (call in each spawned rank)."""
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
 

@@ -586,7 +586,7 @@ def main_grad_into(
     ``gradient_accumulation_fusion``: after the gradient is added into ``main_grad``, the
     parameter is marked ``grad_added_to_main_grad`` and carries a placeholder ``.grad``, so
     DDP's backward hook (which asserts a gradient under ``overlap_grad_reduce``) marks it
-    ready without adding anything. The placeholder is one element seen as ``[V/tp, H]``
+    ready without adding anything. The placeholder is one zero seen as ``[V/tp, H]``
     (``expand``), set on the parameter after the add: Megatron's own is a full
     ``torch.empty`` of that shape. ``shared``: the weight gets another gradient in the same
     backward (the input embedding it is tied to, a distillation term): then neither the flag
@@ -608,8 +608,8 @@ def _distills(teacher: nn.Module | None, inputs: LossInputs) -> bool:
 
 def _mark_added(weight: torch.Tensor) -> None:
     weight.grad_added_to_main_grad = True
-    if weight.grad is None:
-        weight.grad = weight.new_empty(()).expand(weight.shape)
+    if weight.grad is None:  # a zero, so a hook that adds it anyway (zero_out_wgrad) adds 0
+        weight.grad = weight.new_zeros(()).expand(weight.shape)
 
 
 def _grad_into(
