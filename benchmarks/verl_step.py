@@ -2,6 +2,7 @@
 
     .venv-verl/bin/python benchmarks/verl_step.py          # 1024 tokens, H=896, V=151936
     .venv-verl/bin/python benchmarks/verl_step.py --tokens 64 --hidden 32 --vocab 500 --repeats 1
+    .venv-verl/bin/python benchmarks/verl_step.py --micro-batches 2   # gradient accumulation
 
 Needs verl (0.9.x), so it runs in the venv ``.ci/verl.sh`` makes. The shape is ``logitless
 bench``'s default (N=1024 tokens, H=896, Qwen's V=151936, fp32) as one remove-padding
@@ -16,7 +17,19 @@ logits path).
 
 Each variant runs in a fresh subprocess: build, one warm-up step, then ``--repeats`` timed
 steps. Memory is the RSS high-water mark over the timed steps minus the RSS before them (as
-``logitless bench`` measures it); ratios are against verl's torch backend from the same run.
+``logitless bench`` measures it), each step starting with the gradients freed
+(``zero_grad(set_to_none=True)``): so it holds every parameter's gradient, which at the default
+shape are mostly the embedding's and the head's (2 x 151936 x 896 fp32, 1039 MiB). Ratios are
+against verl's torch backend from the same run.
+
+``--micro-batches K`` (default 1) makes a step what verl's actor update does with
+``ppo_micro_batch_size``: K micro-batches of ``--tokens`` each, their gradients accumulated into
+``.grad``. With K >= 2 the script also reports ``accum extra MB``: the peak extra RSS of one
+micro-batch once the gradients exist (micro-batches 2..K, each from the RSS at its start; the
+max over ``--repeats`` steps), measured in a separate pass after the timed steps. That is the
+memory a backend adds to a training step whose gradients are already allocated; it still holds
+the new weight gradient autograd adds into ``.grad`` (one ``[V, H]`` fp32 tensor for any
+backend). The whole-step figure is unchanged.
 The engine object is made without its ``__init__`` (which builds FSDP from a checkpoint and
 device meshes) and verl's device helpers point at the CPU; everything else is verl's code.
 """

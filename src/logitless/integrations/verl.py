@@ -1,8 +1,9 @@
-"""verl's FSDP engine: logitless as its fused-kernel backend, switched on by configuration.
+"""verl's engines: logitless as their fused-kernel backend, switched on by configuration.
 
-verl (0.9.x) computes the actor's log-probs and entropy through a model forward that its
-``apply_monkey_patch`` picks from ``actor_rollout_ref.model.fused_kernel_options.impl_backend``
-(``torch``, ``triton`` or ``liger``, a fixed set). This module adds two values to that set::
+**FSDP engine.** verl (0.9.x) computes the actor's log-probs and entropy through a model forward
+that its ``apply_monkey_patch`` picks from
+``actor_rollout_ref.model.fused_kernel_options.impl_backend`` (``torch``, ``triton`` or
+``liger``, a fixed set). This module adds two values to that set::
 
     actor_rollout_ref.model.external_lib=logitless.integrations.verl   # verl imports it
     actor_rollout_ref.model.use_fused_kernels=True
@@ -26,15 +27,27 @@ row before any Ulysses slicing) or, without them, ``labels`` / ``input_ids`` rol
 the sequence, and returns ``CausalLMOutputForPPO(log_probs=, entropy=)``: fp32 ``[B, T]`` (or
 ``[1, total_nnz / sp]``) tensors, never the ``[tokens, vocab]`` logits. In verl's padded layout,
 positions where ``attention_mask`` is 0 cost nothing and hold 0.0 (verl's engine drops them).
+The head is the seam's (:mod:`logitless.integrations.seam`): :class:`~seam.Tokens` (hidden
+states, labels), :class:`~seam.Head` (``lm_head``'s parameters, the model's softcap or logit
+scale), :func:`seam.logprobs` run as ``lm_head``'s forward (:func:`seam.run_as_forward`).
 Under Ulysses sequence parallelism the engine slices the tokens and gathers the outputs; the
-head is token-local, so each rank scores its own slice.
+head is token-local, so each rank scores its own slice (no :class:`~seam.Parallelism` of its
+own, see ``_ULYSSES``).
+
+**Megatron engine.** verl's Megatron engine reads no ``impl_backend``: with
+``use_fused_kernels=True`` its ``patch_fused_forward`` gives each ``GPTModel`` verl's
+``_fused_GPTModel_forward`` (megatron-core < 0.18). Importing this module where megatron-core is
+installed replaces that function by :func:`megatron_forward` (:func:`install_megatron`), so
+``external_lib=logitless.integrations.verl`` with ``use_fused_kernels=True`` is the switch
+there; megatron-core >= 0.18's ``output_processor`` hook is refused by name.
 
 Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
 .SUPPORTED_MODELS` (multimodal models among them), ``inputs_embeds``, multimodal inputs or any
 other keyword argument the forward does not know, a KV cache, ``logits_to_keep``,
 ``return_dict=False``, ``output_hidden_states`` / ``output_attentions``. The sum of squared
-probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's engine itself whenever
-fused kernels are on, before any forward output is read; logitless has no op for it either.
+probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's engines themselves
+whenever fused kernels are on, before any forward output is read; logitless has no op for it
+either.
 """
 
 from __future__ import annotations
