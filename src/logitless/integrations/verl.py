@@ -36,10 +36,11 @@ own, see ``_ULYSSES``).
 
 **Megatron engine.** verl's Megatron engine reads no ``impl_backend``: with
 ``use_fused_kernels=True`` its ``patch_fused_forward`` gives each ``GPTModel`` verl's
-``_fused_GPTModel_forward`` (megatron-core < 0.18). Importing this module where megatron-core is
-installed replaces that function by :func:`megatron_forward` (:func:`install_megatron`), so
+``_fused_GPTModel_forward`` (when ``GPTModel.forward`` takes no ``output_processor``: 0.16).
+Importing this module where megatron-core is installed replaces that function by
+:func:`megatron_forward` (:func:`install_megatron`), so
 ``external_lib=logitless.integrations.verl`` with ``use_fused_kernels=True`` is the switch
-there; megatron-core >= 0.18's ``output_processor`` hook is refused by name.
+there; the ``output_processor`` hook of newer megatron-core is refused by name.
 
 Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
 .SUPPORTED_MODELS` (multimodal models among them), ``inputs_embeds``, multimodal inputs or any
@@ -328,8 +329,8 @@ def _refuse(
 # --- verl's Megatron engine ------------------------------------------------------------------
 
 _MCORE_FUSED = "verl.models.mcore.model_forward_fused"
-_MCORE_LEGACY = "_fused_GPTModel_forward"  # megatron-core < 0.18: the GPTModel's forward
-_MCORE_HOOK = "fused_output_processor"  # megatron-core >= 0.18: GPTModel's output_processor
+_MCORE_LEGACY = "_fused_GPTModel_forward"  # no output_processor hook: the GPTModel's forward
+_MCORE_HOOK = "fused_output_processor"  # megatron-core 0.19: GPTModel's output_processor
 _mcore_original: dict[str, Any] = {}  # verl's functions while ours are installed
 
 
@@ -345,12 +346,13 @@ def install_megatron() -> None:
 
     verl's Megatron engine (``verl.workers.engine.megatron.transformer_impl``) reads no
     ``impl_backend``: with fused kernels on, ``patch_fused_forward`` gives each ``GPTModel``
-    instance verl's ``_fused_GPTModel_forward`` (megatron-core < 0.18), which runs the decoder
-    and verl's Triton ``linear_cross_entropy``. This replaces that one function, in the module
-    where ``patch_fused_forward`` looks it up, by :func:`megatron_forward`; models already
-    patched keep the forward they got. Under megatron-core >= 0.18 verl passes its
-    ``fused_output_processor`` to ``GPTModel.forward`` instead: that one is replaced by a
-    function that refuses (not tested: megatron-core 0.18 needs Python 3.12).
+    instance verl's ``_fused_GPTModel_forward`` (no ``output_processor`` hook), which runs the
+    decoder and verl's Triton ``linear_cross_entropy``. This replaces that one function, in the
+    module where ``patch_fused_forward`` looks it up, by :func:`megatron_forward`; models
+    already patched keep the forward they got. Where ``GPTModel.forward`` takes an
+    ``output_processor`` (megatron-core 0.19) verl passes its ``fused_output_processor``
+    instead: that one is replaced by a function that refuses (not tested: megatron-core >= 0.17
+    needs Python 3.12).
     """
     module = importlib.import_module(_MCORE_FUSED)
     if _mcore_original:
@@ -459,10 +461,11 @@ def _refuse_output_processor(**_: Any):
 
     raise ValueError(
         "logitless.integrations.verl: megatron-core "
-        f"{megatron.core.__version__} calls verl's output_processor hook (megatron-core >= "
-        "0.18), which logitless has not been tested with (megatron-core >= 0.17 needs Python "
-        "3.12; this project tests 0.16 on 3.11, where verl patches GPTModel.forward instead). "
-        "Set actor_rollout_ref.model.use_fused_kernels=False, or leave logitless out of "
+        f"{megatron.core.__version__} takes verl's output_processor hook (GPTModel.forward's "
+        "output_processor, megatron-core 0.19), which this integration is not tested with "
+        "(megatron-core >= 0.17 needs Python 3.12; verl's Megatron engine is tested here with "
+        "0.16 on 3.11, where verl patches GPTModel.forward instead). Set "
+        "actor_rollout_ref.model.use_fused_kernels=False, or leave logitless out of "
         "external_lib for this job"
     )
 
