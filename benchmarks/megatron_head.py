@@ -25,7 +25,9 @@ bonus of 0.01) on the same old log-probs and advantages:
   in plain torch → backward;
 - ``logitless``: the fused policy loss inside ``output_layer``'s forward
   (``logitless.integrations.megatron.policy_loss``'s head: the gradient taken in the forward
-  pass, three matmuls) → backward.
+  pass, three matmuls) → backward; ``--loss-path composed``: the log-prob op inside
+  ``output_layer`` (its backward recomputes the logits: four matmuls, and with
+  ``--main-grad`` no weight-gradient buffer), then ``logitless.policy_loss`` → backward.
 
 ``--main-grad``: the weight carries a preallocated fp32 ``main_grad`` and a backward hook that
 adds its ``.grad`` into it unless ``grad_added_to_main_grad`` (Megatron DDP's); logitless then
@@ -166,12 +168,23 @@ def _measure(method: str, args) -> dict:
         loss.backward()
 
     def logitless_loss() -> None:
-        inputs = seam.LossInputs(old_logprobs=old, advantages=adv)
-        loss, _ = in_output_layer(
-            lambda t, w: seam.policy_loss(
-                t, w, inputs, parallel, config=config, weight_grad_into=into()
+        if args.loss_path == "composed":  # the log-prob op (recompute), then the loss
+            out = in_output_layer(
+                lambda t, w: seam.logprobs(
+                    t, w, parallel, with_entropy=args.entropy, weight_grad_into=into()
+                )
             )
-        )
+            loss, _ = logitless.policy_loss(
+                out.logprobs, old, adv, torch.ones_like(old, dtype=torch.bool),
+                config=config, entropy=out.entropy,
+            )  # fmt: skip
+        else:
+            inputs = seam.LossInputs(old_logprobs=old, advantages=adv)
+            loss, _ = in_output_layer(
+                lambda t, w: seam.policy_loss(
+                    t, w, inputs, parallel, config=config, weight_grad_into=into()
+                )
+            )
         loss.backward()
         return loss
 
@@ -293,6 +306,13 @@ def main() -> None:
         action="store_true",
         help="a preallocated fp32 main_grad and Megatron DDP's hook on the weight",
     )
+    p.add_argument(
+        "--loss-path",
+        choices=("fused", "composed"),
+        default="fused",
+        help="--task loss, logitless: the fused policy loss (gradient in the forward pass, "
+        "three matmuls) or the log-prob op then logitless.policy_loss (four matmuls)",
+    )
     p.add_argument("--csv", default="bench-results/megatron_head.csv")
     args = p.parse_args()
     rows = {}
@@ -311,11 +331,14 @@ def main() -> None:
             "median_s": round(max(r["time"] for r in res), 4),
             "task": args.task,
             "main_grad": args.main_grad,
+            "loss_path": args.loss_path if args.task == "loss" else "",
         }
         r = rows[method]
         value = "" if res[0]["loss"] is None else f", loss {res[0]['loss']:.6f}"
+        composed = method == "logitless" and r["loss_path"] == "composed"
+        how = args.task + (", composed" if composed else "")
         print(
-            f"{method} ({args.task}{', main_grad' if args.main_grad else ''}): peak extra "
+            f"{method} ({how}{', main_grad' if args.main_grad else ''}): peak extra "
             f"memory per rank {r['peak_mb_per_rank']:.1f} MB, step {r['median_s']:.3f} s{value}",
             flush=True,
         )

@@ -805,5 +805,5 @@ def test_benchmark_loss_task_runs(tmp_path):
     assert len(losses) == 2, proc.stdout
     assert abs(float(losses[0]) - float(losses[1])) < 1e-5, proc.stdout
     lines = (tmp_path / "mh.csv").read_text().splitlines()
-    assert lines[0] == old.strip() + ",task,main_grad" and len(lines) == 4, lines
-    assert lines[1].endswith("0.1,,") and lines[3].endswith(",loss,True"), lines
+    assert lines[0] == old.strip() + ",task,main_grad,loss_path" and len(lines) == 4, lines
+    assert lines[1].endswith("0.1,,,") and lines[3].endswith(",loss,True,fused"), lines
