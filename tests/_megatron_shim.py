@@ -129,8 +129,10 @@ def gpt_model(
     tied: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    **config: object,
 ):
-    """A tiny GPTModel, the same full weights on every rank (each rank holds its shards)."""
+    """A tiny GPTModel, the same full weights on every rank (each rank holds its shards);
+    ``config``: more TransformerConfig fields (``use_mup=True``, ...)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -147,6 +149,7 @@ def gpt_model(
         params_dtype=dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **config,
     )
     layer = get_gpt_layer_local_spec()
     sub = layer.submodules

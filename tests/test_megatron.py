@@ -1,4 +1,6 @@
-"""logitless.integrations.megatron against the real megatron-core (0.16) on gloo ranks.
+"""logitless.integrations.megatron against the real megatron-core on gloo ranks: 0.16 in the
+main suite (Python 3.11), 0.19 in .ci/megatron.sh (Python 3.12), which also covers
+``GPTModel.forward(output_processor=...)`` and MuP's logit scaling.
 
 Each case builds one tiny GPTModel per rank (tests/_megatron_shim.py) and runs, on the same
 weights and the same batch:
@@ -32,6 +34,20 @@ from logitless.parallel import context_parallel_split  # noqa: E402
 
 V = 1000
 CONFIG = logitless.PolicyLossConfig(clip_high=0.28, aggregation="seq_mean_token_mean")
+
+
+def _megatron_at_least(version: str) -> bool:
+    from megatron.core import __version__
+    from packaging.version import Version
+
+    return Version(__version__) >= Version(version)
+
+
+# GPTModel.forward takes an output_processor from megatron-core 0.19; from then on its logits
+# are also multiplied by mup_output_mult where the config has use_mup.
+OUTPUT_PROCESSOR = _megatron_at_least("0.19")
+MUP_SCALES_LOGITS = _megatron_at_least("0.19")
+MUP = {"use_mup": True, "mup_output_mult": 0.37}
 
 
 # --- batches ------------------------------------------------------------------------------
@@ -189,16 +205,18 @@ def _composed(logp, inputs, cp_group):
     return loss
 
 
-def _setup(tp: int, cp: int, sp: bool, tied: bool = False, seed: int = 0):
-    """Megatron's groups for this case, the model, a float64 copy and the model builder."""
+def _setup(tp: int, cp: int, sp: bool, tied: bool = False, seed: int = 0, **config):
+    """Megatron's groups for this case, the model, a float64 copy and the model builder;
+    ``config``: more TransformerConfig fields."""
     from _megatron_shim import gpt_model, init_parallel
 
     init_parallel(tp, cp)
 
     def build(dtype=torch.float32, seed=seed):
         return gpt_model(
-            tp=tp, cp=cp, sequence_parallel=sp, vocab=V, tied=tied, dtype=dtype, seed=seed
-        )
+            tp=tp, cp=cp, sequence_parallel=sp, vocab=V, tied=tied, dtype=dtype, seed=seed,
+            **config,
+        )  # fmt: skip
 
     model = build()
     return model, _float64_copy(model, build), build
@@ -213,12 +231,15 @@ def _batch(tp: int, cp: int, sp: bool, packed: bool, seed: int = 1) -> dict:
     return _dense_batch(seed=seed)
 
 
-def _head_case(rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool) -> None:
+def _head_case(
+    rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool, mup: bool = False
+) -> None:
     from megatron.core import parallel_state as ps
 
     from logitless.integrations import megatron
 
-    model, truth, _ = _setup(tp, cp, sp, tied)
+    # MuP (megatron-core 0.19+): GPTModel scales its logits by mup_output_mult
+    model, truth, _ = _setup(tp, cp, sp, tied, **(MUP if mup else {}))
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
     batch = _batch(tp, cp, sp, packed)
     up = batch["up"]
@@ -233,11 +254,18 @@ def _head_case(rank: int, tp: int, cp: int, sp: bool, tied: bool, packed: bool) 
     # ours; the pre-hook on output_layer fires once, with the hidden states
     seen: list = []
     handle = _capture_hidden(model, seen)
+    processors: list = []  # what GPTModel.forward got as its output_processor
+    spy = model.register_forward_pre_hook(
+        lambda m, a, kw: processors.append(kw.get("output_processor")), with_kwargs=True
+    )
     out = megatron.logprobs(
         model, *_model_inputs(batch), batch["labels"], loss_mask=batch["loss_mask"],
         packed_seq_params=batch["packed_seq_params"], with_entropy=True,
     )  # fmt: skip
+    spy.remove()
     assert len(seen) == 1, "output_layer's forward pre-hook must fire once, before the head"
+    # the seam Megatron offers where it has one (0.19+), else output_layer's own forward
+    assert (processors[0] is not None) == OUTPUT_PROCESSOR, (processors, OUTPUT_PROCESSOR)
     (out.logprobs * up[0] + out.entropy * up[1]).sum().backward()
     ours = dict(logp=out.logprobs, ent=out.entropy, dh=seen[1], **_grads(model))
 
@@ -635,13 +663,15 @@ def _run_checks(rank: int, world: int, checks: list[tuple[str, tuple]]) -> dict[
     return results
 
 
-HEAD_CASES = {  # tp, cp, sequence_parallel, tied, packed
+HEAD_CASES = {  # tp, cp, sequence_parallel, tied, packed[, mup]
     "tp2": (2, 1, False, False, False),
     "tp2_sp_tied": (2, 1, True, True, False),
     "tp2_sp_packed": (2, 1, True, False, True),
     "cp2_packed": (1, 2, False, False, True),
     "tp2_cp2_sp_packed": (2, 2, True, False, True),
 }
+if MUP_SCALES_LOGITS:  # GPTModel multiplies its logits by mup_output_mult (0.19+)
+    HEAD_CASES["tp2_sp_mup"] = (2, 1, True, False, False, True)
 CHECKS: dict = {
     "head": _head_case,
     "schedule": _schedule_case,

@@ -1,12 +1,14 @@
 """megatron-core: the head of a ``GPTModel`` without its logits.
 
-For the last pipeline stage of a megatron-core ``GPTModel`` (tested with 0.16), per-token
+For the last pipeline stage of a megatron-core ``GPTModel`` (tested with 0.16 and 0.19), per-token
 log-probs, entropy, the fused policy loss and the divergence to a teacher ``GPTModel``, from
 the decoder's final hidden states and ``output_layer``'s weight shard; the ``[S, B, V/tp]``
 logits never exist. The model runs its own forward (embedding, decoder, final norm) and, where
 it would call ``output_layer(hidden_states, weight=...)``, the head runs *as* that call
 (:func:`logitless.integrations.seam.run_as_forward`): ``output_layer``'s forward pre-hooks
-(the distributed optimizer's ``overlap_param_gather``) fire as they would for the logits.
+(the distributed optimizer's ``overlap_param_gather``) fire as they would for the logits. From
+megatron-core 0.19 that call is made from the ``output_processor`` logitless hands
+``GPTModel.forward``, so nothing of the logits path runs after it.
 
 What the model hands the head, in Megatron's terms (DESIGN.md, "Integrations: one seam"):
 
@@ -37,6 +39,7 @@ tensor- and context-parallel groups together.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -318,19 +321,51 @@ def _run_head(
         except ValueError as e:
             error = e
         _agree(head, error, "logitless.integrations.megatron")
-        result.append(fn(Tokens(hidden, labels, sequence_first=True), Head(w, layer.bias)))
+        tokens = Tokens(hidden, labels, sequence_first=True)
+        result.append(fn(tokens, Head(w, layer.bias, logit_scale=_logit_scale(head.model))))
         # What GPTModel receives as its logits: it only transposes them; never read.
         return hidden.new_zeros(hidden.shape[0], hidden.shape[1], 0), None
 
     def call():
         return head.outer(*model_args, **model_kwargs)
 
-    for name in ("labels", "runtime_gather_output"):
+    for name in ("labels", "runtime_gather_output", "output_processor"):
         if name in model_kwargs:
             raise TypeError(f"{name}= is logitless's to set, not a model argument here")
+    if _takes_output_processor(head.model):
+        model_kwargs = {**model_kwargs, "output_processor": _in_output_processor}
     result: list[Any] = []
     seam.run_as_forward(layer, in_output_layer, call, caller="GPTModel.forward")
     return result[-1]
+
+
+def _takes_output_processor(model: nn.Module) -> bool:
+    """Whether ``GPTModel.forward`` takes an ``output_processor`` (megatron-core 0.19 and
+    later): the seam Megatron offers for what follows the decoder. Where it does, the head
+    runs from it; elsewhere ``GPTModel`` calls ``output_layer`` itself. Either way the head
+    runs *as* ``output_layer``'s forward, so that module's hooks fire."""
+    return "output_processor" in inspect.signature(type(model).forward).parameters
+
+
+def _in_output_processor(*, hidden_states, output_layer, output_weight=None,
+                         runtime_gather_output=None, **_: Any) -> torch.Tensor:  # fmt: skip
+    """The ``output_processor`` logitless hands ``GPTModel.forward``: it calls
+    ``output_layer`` (whose forward :func:`_run_head` has replaced for the call) and returns
+    its placeholder, so nothing of Megatron's logits path (MuP scaling of the logits, the
+    language-model loss) runs after it."""
+    out, _ = output_layer(
+        hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
+    )
+    return out
+
+
+def _logit_scale(model: nn.Module) -> float | None:
+    """The factor ``GPTModel`` multiplies its logits by: MuP's ``mup_output_mult`` where the
+    config has ``use_mup`` (megatron-core 0.19+, ``LanguageModule._scale_logits``), else none."""
+    config = model.config
+    if getattr(config, "use_mup", False) and config.mup_output_mult != 1.0:
+        return float(config.mup_output_mult)
+    return None
 
 
 def _check_hidden(head: MegatronHead, hidden, weight, labels) -> None:
