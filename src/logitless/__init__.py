@@ -11,6 +11,7 @@ and document ids of packed streams), :mod:`logitless.parallel` (vocab / context 
 from . import advantages, losses, packing, parallel, reference  # noqa: F401  (importable by name)
 from .accumulation import StepAccumulator
 from .contract.divergence import TeacherTopK
+from .contract.options import WeightGradInto
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
 from .modules import DivergenceHead, LinearLogprobs, LogprobHead, PolicyLossHead
 from .ops.divergence.op import linear_divergence
@@ -35,6 +36,7 @@ __all__ = [
     "TeacherHead",
     "TeacherTopK",
     "VocabParallel",
+    "WeightGradInto",
     "fused_policy_loss",
     "linear_divergence",
     "linear_logprobs",
