@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf, seam
+from . import hf, hf_model, seam
 
 __all__ = [
     "BACKENDS",
@@ -219,7 +219,7 @@ def verl_forward(
             "rope position ids are multimodal models') are not supported; expected "
             f"{tuple(input_ids.shape)}"
         )
-    lm_head, softcap, scale = hf.check_model(model)
+    lm_head, _, _ = hf.check_model(model)
     labels = _labels(input_ids, attention_mask, labels, shift_labels)
     # The backbone as verl's own fused forwards call it (``forward_base_model``), no cache.
     backbone = model.model(
@@ -234,14 +234,11 @@ def verl_forward(
         temperature=temperature,
         ignore_index=_IGNORE,
         batch_invariant=batch_invariant,
-        head_dtype=_autocast_dtype(tokens.hidden.device),  # lm_head runs in it under autocast
+        head_dtype=hf_model.autocast_dtype(tokens.hidden.device),  # lm_head's, under autocast
     )
 
     def head_call(_hidden: torch.Tensor):  # as lm_head's forward: its parameters gathered
-        head = seam.Head(
-            lm_head.weight, lm_head.bias, logit_scale=None if scale == 1.0 else scale,
-            softcap=softcap,
-        )  # fmt: skip
+        head = hf_model.head(model)  # read here: lm_head's parameters as its forward sees them
         with torch.autocast(tokens.hidden.device.type, enabled=False):
             return seam.logprobs(tokens, head, _ULYSSES, **options)
 
@@ -281,13 +278,6 @@ def _labels(
     if attention_mask is not None:
         targets = targets.masked_fill(~attention_mask.bool(), _IGNORE)
     return targets
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype ``lm_head`` runs in under the autocast active on ``device`` (None: none)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
 
 
 def _refuse(
