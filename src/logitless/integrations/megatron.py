@@ -39,6 +39,7 @@ tensor- and context-parallel groups together.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
@@ -332,19 +333,20 @@ def _run_head(
     for name in ("labels", "runtime_gather_output", "output_processor"):
         if name in model_kwargs:
             raise TypeError(f"{name}= is logitless's to set, not a model argument here")
-    if _takes_output_processor(head.model):
+    if _takes_output_processor(type(head.model)):
         model_kwargs = {**model_kwargs, "output_processor": _in_output_processor}
     result: list[Any] = []
     seam.run_as_forward(layer, in_output_layer, call, caller="GPTModel.forward")
     return result[-1]
 
 
-def _takes_output_processor(model: nn.Module) -> bool:
+@functools.cache
+def _takes_output_processor(model_class: type) -> bool:
     """Whether ``GPTModel.forward`` takes an ``output_processor`` (megatron-core 0.19 and
     later): the seam Megatron offers for what follows the decoder. Where it does, the head
     runs from it; elsewhere ``GPTModel`` calls ``output_layer`` itself. Either way the head
     runs *as* ``output_layer``'s forward, so that module's hooks fire."""
-    return "output_processor" in inspect.signature(type(model).forward).parameters
+    return "output_processor" in inspect.signature(model_class.forward).parameters
 
 
 def _in_output_processor(*, hidden_states, output_layer, output_weight=None,
