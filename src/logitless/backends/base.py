@@ -9,6 +9,7 @@ log-prob, log-sum-exp, entropy) in forward and the head gradients in backward, w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -269,7 +270,8 @@ class KernelOptions:
     shard-local); backend: the resolved backend that runs the rows; chunk_size: the caller's
     rows per pass (None: the backend's choice); weight_grad_into: the buffer a backward adds
     the weight gradient into (its compute-dtype ``[V, H]``: the backends return None for dW
-    then), or None.
+    then), or None; held_grads: the gradients wait for an upstream scale that a later backward
+    applies (the fused loss), see :meth:`grad_dtype`.
     """
 
     transform: LogitTransform
@@ -280,6 +282,7 @@ class KernelOptions:
     backend: str = "torch"
     chunk_size: int | None = None
     weight_grad_into: WeightGradInto | None = None
+    held_grads: bool = False
 
     @property
     def weight_grad_buffer(self) -> torch.Tensor | None:
@@ -291,6 +294,15 @@ class KernelOptions:
     def compute_dtype(self) -> torch.dtype:
         """Softmax statistics, outputs and gradient accumulators (:func:`compute_dtype`)."""
         return compute_dtype(self.head_dtype)
+
+    def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a backend returns a parameter's gradient in: the parameter's, except that
+        an fp16 gradient held for a later upstream scale (``held_grads``) stays in the compute
+        dtype. Held unscaled in fp16, a gradient that a gradient scaler's 2^16 would keep
+        normal falls into fp16's subnormals or to zero; bf16 has fp32's exponent range."""
+        if self.held_grads and param_dtype == torch.float16:
+            return self.compute_dtype
+        return param_dtype
 
 
 class RowStats(NamedTuple):
@@ -365,3 +377,37 @@ def finish_stats(
     lse = m + log_s
     ent = None if q is None else log_s - q / s
     return (zy - m) - log_s, lse, ent
+
+
+@functools.cache
+def _has_fp32_out_mm(device: torch.device) -> bool:
+    """Whether torch.addmm adds a 16-bit product into an fp32 tensor without first rounding it
+    to 16 bits (``out_dtype=``: cuBLAS with an fp32 C, recent torch on CUDA). Probed once."""
+    if device.type != "cuda":
+        return False
+    acc = torch.zeros(1, 1, device=device)
+    one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with the product accumulated in ``acc``'s dtype (fp32), for ``a`` and
+    ``b`` in one (possibly 16-bit) dtype: never a 16-bit product rounded before it is added.
+
+    The one rule for every gradient accumulation of the head (the weight and hidden gradients
+    of both backends): a bf16 ``a @ b`` comes out rounded to bf16, so adding it into an fp32
+    buffer (Megatron's ``main_grad``, a hidden gradient summed over vocabulary tiles) would
+    round every term to bf16 first. On CUDA cuBLAS writes the fp32 sum directly
+    (``out_dtype=``); elsewhere the operands are widened (exact: a 16-bit value is an fp32
+    value), which costs one fp32 copy of ``a`` and ``b`` (both a tile or a chunk).
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _has_fp32_out_mm(acc.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))

@@ -33,6 +33,7 @@ from .base import (
     RowBatch,
     RowStats,
     Upstream,
+    add_product,
     extend_rows,
     finish_stats,
 )
@@ -252,31 +253,34 @@ def _exp_tile_to_dz(
 
 
 class GradAccumulator:
-    """Accumulates dh [M, H], dW [V, H] and db [V] tile by tile; returns them in input dtypes.
+    """Accumulates dh [M, H], dW [V, H] and db [V] tile by tile; returns them in the dtypes of
+    :meth:`KernelOptions.grad_dtype` (the inputs' dtypes, unless held for a later scale).
 
-    The weight gradient accumulates in fp32 when the parameter is lower precision and more than
-    one row chunk contributes; otherwise directly in the parameter's dtype. With
-    ``opts.weight_grad_into`` it accumulates straight into that buffer (compute dtype, added to
-    what it holds) and :meth:`result` returns None for it.
+    Every product is accumulated in fp32 (:func:`add_product`): dh sums one product per vocab
+    block, and dW one per row chunk. The weight gradient accumulates in the returned dtype only
+    when each of its entries is written once (one row chunk) from a product that comes out in
+    that dtype or in fp32; otherwise in fp32. With ``opts.weight_grad_into`` it accumulates
+    straight into that buffer (compute dtype, added to what it holds) and :meth:`result`
+    returns None for it.
     """
 
     def __init__(self, hidden, weight, bias, needs, opts: KernelOptions) -> None:
         num_rows, dim = hidden.shape
         vocab = weight.shape[0]
         dev = hidden.device
-        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.hidden, self.weight, self.bias, self.opts = hidden, weight, bias, opts
         self.hd = opts.head_dtype
         need_h, need_w, need_b = needs
-        multi_chunk = num_rows > opts.schedule.rows
         cd = opts.compute_dtype
-        w_dtype = weight.dtype if weight.dtype == cd or not multi_chunk else cd
+        w_dtype = opts.grad_dtype(weight.dtype)
+        once = num_rows <= opts.schedule.rows and self.hd in (w_dtype, cd)
         self.dh = torch.zeros(num_rows, dim, device=dev, dtype=cd) if need_h else None
         self.into = opts.weight_grad_buffer if need_w else None
         self.dw = None
         if self.into is not None:
             self.dw = self.into
         elif need_w:
-            self.dw = torch.zeros(vocab, dim, device=dev, dtype=w_dtype)
+            self.dw = torch.zeros(vocab, dim, device=dev, dtype=w_dtype if once else cd)
         self.db = None
         if need_b and bias is not None:
             self.db = torch.zeros(vocab, device=dev, dtype=cd)
@@ -288,29 +292,34 @@ class GradAccumulator:
             self.db[v0:v1] += dz.sum(dim=0)
         dz_h = dz if self.hd == dz.dtype else dz.to(self.hd)
         if self.dh is not None:
-            if self.hd == dz.dtype:
-                self.dh[r0:r1].addmm_(dz_h, w)
-            else:
-                self.dh[r0:r1] += dz_h @ w
+            add_product(self.dh[r0:r1], dz_h, w)
         if self.dw is not None:
             gw = self.dw[v0:v1]
-            if gw.dtype == dz_h.dtype:
+            if gw.dtype == dz_h.dtype:  # fp32 throughout, or a 16-bit dW written once
                 gw.addmm_(dz_h.t(), h)
-            else:
+            elif gw.dtype == self.opts.compute_dtype:  # 16-bit products summed in fp32
+                add_product(gw, dz_h.t(), h)
+            else:  # a 16-bit dW written once from an fp32 product: rounded once
                 gw += dz_h.t() @ h
 
     def result(self, vp: VocabParallel | None = None):
-        """(dh, dW, db) in hidden's, weight's and bias's dtypes (None where not needed).
+        """(dh, dW, db) in :meth:`KernelOptions.grad_dtype` of hidden's, weight's and bias's
+        dtypes (None where not needed).
 
         With ``vp``, dh (this shard's ``dz·W_r``) is first summed over its group if it asks.
         """
         if vp is not None:
             vp.reduce_hidden(self.dh)
-        dw = None if self.dw is None or self.into is not None else self.dw.to(self.weight.dtype)
+        dtype = self.opts.grad_dtype
+        dw = (
+            None
+            if self.dw is None or self.into is not None
+            else self.dw.to(dtype(self.weight.dtype))
+        )
         return (
-            None if self.dh is None else self.dh.to(self.hidden.dtype),
+            None if self.dh is None else self.dh.to(dtype(self.hidden.dtype)),
             dw,
-            None if self.db is None else self.db.to(self.bias.dtype),
+            None if self.db is None else self.db.to(dtype(self.bias.dtype)),
         )
 
 

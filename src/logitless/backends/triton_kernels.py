@@ -52,6 +52,7 @@ from .base import (
     RowBatch,
     RowStats,
     Upstream,
+    add_product,
     extend_rows,
     finish_stats,
 )
@@ -692,31 +693,6 @@ def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -
     return RowStats(logp, lse, ent)
 
 
-@functools.cache
-def _has_fp32_out_mm(device: torch.device) -> bool:
-    """Whether torch.addmm adds a 16-bit product into an fp32 tensor without first rounding it
-    to 16 bits (``out_dtype=``: cuBLAS with an fp32 C, recent torch on CUDA). Probed once."""
-    if device.type != "cuda":
-        return False
-    acc = torch.zeros(1, 1, device=device)
-    one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
-    try:
-        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return True
-
-
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, for a and b in one dtype."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif _has_fp32_out_mm(acc.device):
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += a @ b  # the product is rounded once to a's dtype, the sum stays fp32
-
-
 def _vocab_chunk(rows: int, vocab: int, itemsize: int) -> int:
     """Columns per backward chunk: the workspace budget, at least _MIN_VOCAB_CHUNK, aligned."""
     cols = _WORKSPACE_BYTES // max(1, rows * itemsize)
@@ -807,23 +783,29 @@ def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWr
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     passes = _row_passes(num_rows, opts)
     one_pass = len(passes) <= 1
-    # dW: written once per vocab chunk when one pass covers every row, else summed in fp32;
-    # with a caller's buffer (opts.weight_grad_into), added into it chunk by chunk.
+    # dW: written once per vocab chunk when one pass covers every row and each chunk's product
+    # comes out in dW's dtype or in fp32 (rounded once as it is stored), else summed in fp32
+    # (add_product); with a caller's buffer (opts.weight_grad_into), added into it.
     dw = db = dh = None
     into = opts.weight_grad_buffer if need_w else None
+    w_dtype, h_dtype = opts.grad_dtype(weight.dtype), opts.grad_dtype(hidden.dtype)
+    direct = one_pass and into is None and hd in (w_dtype, opts.compute_dtype)
     if into is not None:
         dw = into
     elif need_w:
-        direct = one_pass
-        dw = torch.empty_like(weight) if direct else torch.zeros(vocab, dim, device=dev)
+        dw = (
+            torch.empty_like(weight, dtype=w_dtype)
+            if direct
+            else weight.new_zeros((vocab, dim), dtype=opts.compute_dtype)
+        )
     if need_b:
         db = torch.zeros(vocab, device=dev)
     if need_h and not one_pass:
-        dh = torch.empty_like(hidden)
+        dh = torch.empty_like(hidden, dtype=h_dtype)
     if num_rows == 0:
-        dh = torch.zeros_like(hidden) if need_h else None
-        dw = None if dw is None or into is not None else dw.zero_()
-        return dh, dw, None if db is None else db.to(bias.dtype)
+        dh = torch.zeros_like(hidden, dtype=h_dtype) if need_h else None
+        dw = None if dw is None or into is not None else dw.zero_().to(w_dtype)
+        return dh, dw, None if db is None else db.to(opts.grad_dtype(bias.dtype))
 
     h_all = hidden.to(hd)
     dh_acc = None
@@ -841,28 +823,28 @@ def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWr
             if db is not None:
                 db[v0 : v0 + width] += dz.sum(0, dtype=torch.float32)
             if dw is not None:
-                if not one_pass or into is not None:
-                    _add_product(dw[v0 : v0 + width], dz.t(), h_rows)
+                if not direct:
+                    add_product(dw[v0 : v0 + width], dz.t(), h_rows)
                 elif dw.dtype == hd:
                     torch.mm(dz.t(), h_rows, out=dw[v0 : v0 + width])
                 else:
                     dw[v0 : v0 + width] = dz.t() @ h_rows
             if dh_acc is not None:
-                _add_product(dh_acc, dz, weight[v0 : v0 + width].to(hd))
+                add_product(dh_acc, dz, weight[v0 : v0 + width].to(hd))
         del workspace, dz  # before dh is allocated: the peak is dW + fp32 dh + workspace
         if dh_acc is not None:
             if opts.vocab_parallel is not None:
                 opts.vocab_parallel.reduce_hidden(dh_acc)
             if one_pass:
-                dh = dh_acc.to(hidden.dtype)  # allocated after the workspace is freed
+                dh = dh_acc.to(h_dtype)  # allocated after the workspace is freed
             else:
                 dh[r0:r1] = dh_acc
         del dh_acc
     if into is not None:
         dw = None
-    elif dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    return dh, dw, None if db is None else db.to(bias.dtype)
+    elif dw is not None and dw.dtype != w_dtype:
+        dw = dw.to(w_dtype)
+    return dh, dw, None if db is None else db.to(opts.grad_dtype(bias.dtype))
 
 
 def fused_rows(

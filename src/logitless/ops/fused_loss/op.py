@@ -290,7 +290,10 @@ def fused_loss_of_call(
     else:
         value, metrics, grads, d_div = _fused_rows(call, rows, batch, loss, loss_call, needs)
     if grads is not None and call.tracked:
-        store = _GradStore(grads, call.weight_grad_into)
+        into = call.weight_grad_into
+        dw_of = call.weight if into is None else into.buffer  # the scratch joins the buffer
+        dtypes = tuple(None if t is None else t.dtype for t in (rows.hidden, dw_of, call.bias))
+        store = _GradStore(grads, dtypes, into)
         value = _StoredGradients.apply(value, store, rows.hidden, call.weight, call.bias)
     if call.replay is None:
         value = _through_divergence(value, divergence, d_div)
@@ -347,7 +350,10 @@ def _fused_rows(call: HeadCall, rows, batch: RowBatch, loss: RowLoss, loss_call,
         prefill, prefill_ent = _no_grad_pass(call, batch)
         stats = loss.stats(prefill) if grouped else None
         grad_fn = all_rows_grad_fn(loss, prefill, prefill_ent, stats)
-    opts = kernel_options(call, batch.hidden.shape[0], fused=True)
+    # The gradients wait for the loss's upstream scale (see KernelOptions.grad_dtype).
+    opts = dataclasses.replace(
+        kernel_options(call, batch.hidden.shape[0], fused=True), held_grads=True
+    )
     if opts.weight_grad_into is not None and needs[1]:
         # The loss's upstream gradient is not known yet: dW waits in a scratch of the buffer's
         # dtype (the kernels add into it), and _StoredGradients adds it, scaled, in backward.
@@ -367,12 +373,41 @@ def _fused_rows(call: HeadCall, rows, batch: RowBatch, loss: RowLoss, loss_call,
 class _GradStore:
     """Gradients computed in forward, handed to autograd once by the first backward.
 
-    ``into``: the call's :class:`WeightGradInto`; the weight's gradient (then an fp32
-    scratch) is added into its buffer instead of handed to autograd."""
+    ``dtypes``: those of hidden, weight (of ``into``'s buffer with one) and bias (None where
+    absent), the dtypes the gradients are handed on in; ``into``: the call's
+    :class:`WeightGradInto`; the weight's gradient (then an fp32 scratch) is added into its
+    buffer instead of handed to autograd."""
 
-    def __init__(self, grads: tuple, into: WeightGradInto | None = None) -> None:
+    def __init__(self, grads: tuple, dtypes: tuple, into: WeightGradInto | None = None) -> None:
         self.grads: tuple | None = grads
+        self.dtypes = dtypes
         self.into = into
+
+
+# Elements scaled at once by _scaled: a 16-bit gradient is widened to fp32 a slice at a time
+# (64 MiB of fp32), so the scale costs no full-size fp32 copy of dW.
+_SCALE_SLICE = 1 << 24
+
+
+def _scaled(g: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g · scale`` in ``dtype``, the product taken in fp32 (float64 for a float64 ``g``).
+
+    ``scale`` is the loss's upstream gradient (fp32: gradient accumulation's 1/k, Megatron's
+    token count, a gradient scaler's 2^16). Rounded to 16 bits first, it would bias every
+    gradient by the same factor (bf16(1/3) = 0.33398); taken in fp32, each gradient is rounded
+    to ``dtype`` once more at most, without bias (not at all for a power-of-two scale).
+    ``g`` is scaled in place where it already has ``dtype``."""
+    wide = torch.promote_types(g.dtype, torch.float32)
+    s = scale.to(wide)
+    if g.dtype == wide:
+        return g.mul_(s).to(dtype)
+    flat = g.view(-1) if g.is_contiguous() else None
+    if flat is None:
+        return g.copy_(g.to(wide).mul_(s))
+    for start in range(0, flat.numel(), _SCALE_SLICE):
+        part = flat[start : start + _SCALE_SLICE]
+        part.copy_(part.to(wide).mul_(s))
+    return g
 
 
 class _StoredGradients(torch.autograd.Function):
@@ -393,7 +428,10 @@ class _StoredGradients(torch.autograd.Function):
                 "are computed in the forward pass and released by the first backward; compute "
                 "the loss again to backpropagate again."
             )
-        dh, dw, db = (None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        dh, dw, db = (
+            None if g is None else _scaled(g, grad_loss, dtype)
+            for g, dtype in zip(grads, ctx.store.dtypes, strict=True)
+        )
         into = ctx.store.into
         if into is not None and dw is not None:
             into.buffer.add_(dw)

@@ -17,6 +17,8 @@ they cover the group.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...backends.base import RowBatch
@@ -64,7 +66,8 @@ def replay_policy_loss(
     fused loss's stored gradients); ``needs`` None: no gradient wanted (only the loss and
     metrics are computed).
     """
-    opts = kernel_options(call, rows.labels.numel())
+    # The gradients wait for the loss's upstream scale (see KernelOptions.grad_dtype).
+    opts = dataclasses.replace(kernel_options(call, rows.labels.numel()), held_grads=True)
     spec = restrict(call.replay, rows)
     plan = replay_forward(batch, rows.labels, opts, spec, keep_tile=needs is not None)
     logp, ent = plan.logp, plan.ent

@@ -142,19 +142,26 @@ def kept_stats(
 class KeptGrads:
     """Accumulates the kept entries' gradients into dh [M, H] fp32, dW and db.
 
-    The weight gradient accumulates in the parameter's dtype when that is fp32 (in place, into
+    The weight gradient accumulates in its dtype (``w_dtype``, the parameter's unless the
+    gradients are held, see ``KernelOptions.grad_dtype``) when that is fp32 (in place, into
     a dense ``[V, H]`` buffer that may already hold other rows' gradient) and, for 16-bit
     parameters, in an fp32 buffer over the touched rows only, added once at the end.
     """
 
-    def __init__(self, hidden, weight, bias, needs, cd: torch.dtype, dw=None, db=None) -> None:
+    def __init__(
+        self, hidden, weight, bias, needs, cd: torch.dtype, w_dtype=None, dw=None, db=None
+    ) -> None:
         need_h, need_w, need_b = needs
         dev = hidden.device
         self.weight, self.bias, self.cd = weight, bias, cd
+        self.w_dtype = weight.dtype if w_dtype is None else w_dtype  # dW's dtype
         self.dh = torch.zeros(hidden.shape, device=dev, dtype=cd) if need_h else None
         self.need_w = need_w
         self.need_b = need_b and bias is not None
         self.dw, self.db = dw, db
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.weight.shape, device=self.weight.device, dtype=self.w_dtype)
 
     def add(self, hidden, weight, entries: Entries, grad_of, hd: torch.dtype) -> None:
         """Add the gradients of ``entries`` (local ids), chunk by chunk: ``grad_of(chunk)``
@@ -163,12 +170,12 @@ class KeptGrads:
         rows, ids = entries.rows, entries.ids
         num, dim = ids.numel(), hidden.shape[1]
         dev = hidden.device
-        fp32 = self.weight.dtype == self.cd  # accumulate in place
+        fp32 = self.w_dtype == self.cd  # accumulate in place
         target = slot = uniq = None
         if self.need_w:
             if fp32:
                 if self.dw is None:
-                    self.dw = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
+                    self.dw = self._zeros()
                 target, slot = self.dw, ids
             else:
                 uniq, slot = torch.unique(ids.long(), return_inverse=True)
@@ -186,7 +193,7 @@ class KeptGrads:
                 db.index_add_(0, ids[s:e], dz)
         if target is not None and not fp32:
             if self.dw is None:
-                self.dw = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
+                self.dw = self._zeros()
             self.dw[uniq] = (self.dw[uniq].to(self.cd) + target).to(self.dw.dtype)
         if db is not None:
             self.db = db.to(self.bias.dtype) if self.db is None else (self.db.to(self.cd) + db)

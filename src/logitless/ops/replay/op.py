@@ -223,7 +223,8 @@ def replay_backward(
         def grad_of(chunk: Entries) -> torch.Tensor:
             return entry_grads(chunk, t.lse, t.entropy, g_t, e_t, temp_t, opts)
 
-        acc = KeptGrads(h_t, weight, bias, needs, cd, dw=dw, db=db)
+        w_dtype = opts.grad_dtype(weight.dtype)
+        acc = KeptGrads(h_t, weight, bias, needs, cd, w_dtype, dw=dw, db=db)
         acc.add(h_t, weight, t.entries, grad_of, opts.head_dtype)
         if acc.dh is not None:
             if vp is not None:
@@ -234,13 +235,13 @@ def replay_backward(
                 _put(dh, trunc, acc.dh)
         dw, db = acc.dw, acc.db
         if needs[1] and dw is None:
-            dw = torch.zeros_like(weight)
+            dw = torch.zeros_like(weight, dtype=w_dtype)
         if needs[2] and bias is not None and db is None:
             db = torch.zeros_like(bias)
     return (
-        None if dh is None else dh.to(hidden.dtype),
-        None if dw is None else dw.to(weight.dtype),
-        None if db is None else db.to(bias.dtype),
+        None if dh is None else dh.to(opts.grad_dtype(hidden.dtype)),
+        None if dw is None else dw.to(opts.grad_dtype(weight.dtype)),
+        None if db is None else db.to(opts.grad_dtype(bias.dtype)),
     )
 
 
