@@ -81,11 +81,17 @@ def test_engine_forward_matches_torch_backend_and_unfused(rmpad, temperature):
         _check(f"grad {n}", ours[2][n], refs, truth[2][n])
 
 
-def test_bf16_autocast_as_verl_runs_it():
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32_w", "bf16_w"])
+def test_bf16_autocast_as_verl_runs_it(weights):
     """verl's engine runs the forward under autocast (bf16): the head's matmul in bf16 as
     ``lm_head`` / verl's torch backend run it, statistics in fp32. Held to the naive (unfused)
-    bf16 path's error; the outputs also to verl's torch backend's."""
-    model = tiny_model()
+    bf16 path's error; the outputs also to verl's torch backend's. fp32 weights are verl's
+    training default, bf16 the weights its default mixed precision hands the forward.
+
+    Dtypes: logitless's log-probs and entropy are fp32 either way. verl's torch backend
+    returns its entropy in the backbone's output dtype, its values rounded to the bf16 of
+    the logits: bf16 with bf16 weights, fp32 holding bf16 values with fp32 weights."""
+    model = copy.deepcopy(tiny_model()).to(weights)
     g, e, _ = _upstream(SEQS)
     outs = {}
     for b in ("logitless", "torch", None):
@@ -94,9 +100,13 @@ def test_bf16_autocast_as_verl_runs_it():
         outs[b] = forward_step(eng, micro_batch(SEQS, fused=b is not None), g, e)
     truth = _run(model, None, SEQS, g=g, e=e, dtype=torch.float64)
     assert outs["logitless"][0].dtype == torch.float32
-    assert outs["logitless"][1].dtype == torch.float32  # verl's torch backend: bf16 entropy
+    assert outs["logitless"][1].dtype == torch.float32
+    verl_entropy = outs["torch"][1]
+    assert verl_entropy.dtype == weights
+    assert torch.equal(verl_entropy, verl_entropy.bfloat16().to(weights))  # bf16 values
+    assert not torch.equal(outs["logitless"][1], outs["logitless"][1].bfloat16().float())
     for i, name in enumerate(("log_probs", "entropy")):
-        refs = {"unfused": outs[None][i], "torch backend": outs["torch"][i].float()}
+        refs = {"unfused": outs[None][i], "torch backend": outs["torch"][i]}
         _check(name, outs["logitless"][i], refs, truth[i])
     for n in truth[2]:
         _check(f"grad {n}", outs["logitless"][2][n], {"unfused": outs[None][2][n]}, truth[2][n])
