@@ -39,9 +39,31 @@ def tiny_model(layers: int = 2, seed: int = 0) -> transformers.Qwen2ForCausalLM:
     return model
 
 
-class _VerlTorchQwen2(transformers.Qwen2ForCausalLM):
-    """verl's torch and triton backends set ``model.__class__.forward``: a class of its own
+def tiny_gemma2(seed: int = 0) -> transformers.Gemma2ForCausalLM:
+    """A tiny Gemma-2 from its config (no download), with Gemma-2's final-logit softcap of 30
+    and its tied embedding; the head weight's spread (std 1) puts many logits beyond the
+    softcap's near-linear range, as a trained Gemma-2's are."""
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma2Config(
+        vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="eager",
+    )  # fmt: skip
+    assert cfg.final_logit_softcapping == 30.0 and cfg.tie_word_embeddings
+    model = transformers.Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 1.0)
+    return model
+
+
+_OWN_CLASSES: dict[type, type] = {}
+
+
+def _own_class(cls: type) -> type:
+    """verl's torch and triton backends set ``model.__class__.forward``: a subclass of its own
     keeps that patch off every other model of the test."""
+    if cls not in _OWN_CLASSES:
+        _OWN_CLASSES[cls] = type(f"_VerlTorch{cls.__name__}", (cls,), {})
+    return _OWN_CLASSES[cls]
 
 
 def patched(model: torch.nn.Module, backend: str | None, *, sp: int = 1, rmpad: bool = True):
@@ -49,7 +71,7 @@ def patched(model: torch.nn.Module, backend: str | None, *, sp: int = 1, rmpad: 
     the model's own forward returning logits)."""
     model = copy.deepcopy(model)
     if backend in ("torch", "triton", "liger"):
-        model.__class__ = _VerlTorchQwen2
+        model.__class__ = _own_class(type(model))
     apply_monkey_patch(
         model=model,
         ulysses_sp_size=sp,
@@ -122,4 +144,7 @@ def cpu_devices(monkeypatch) -> None:
     monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
 
 
-__all__ = ["lv", "patched", "engine", "micro_batch", "forward_step", "tiny_model", "cpu_devices"]
+__all__ = [
+    "lv", "patched", "engine", "micro_batch", "forward_step", "tiny_model", "tiny_gemma2",
+    "cpu_devices",
+]  # fmt: skip

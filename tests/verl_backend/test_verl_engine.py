@@ -17,7 +17,16 @@ import torch
 import transformers
 import verl.utils.tensordict_utils as tu
 from _dist import spawn
-from _engine import cpu_devices, engine, forward_step, lv, micro_batch, patched, tiny_model
+from _engine import (
+    cpu_devices,
+    engine,
+    forward_step,
+    lv,
+    micro_batch,
+    patched,
+    tiny_gemma2,
+    tiny_model,
+)
 from _tolerance import assert_no_worse_than_reference
 
 SEQS = [[5, 6, 7, 8, 9, 3, 2], [10, 11, 12], [13, 14, 15, 16, 1], [40, 41]]
@@ -81,11 +90,17 @@ def test_engine_forward_matches_torch_backend_and_unfused(rmpad, temperature):
         _check(f"grad {n}", ours[2][n], refs, truth[2][n])
 
 
-def test_bf16_autocast_as_verl_runs_it():
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32_w", "bf16_w"])
+def test_bf16_autocast_as_verl_runs_it(weights):
     """verl's engine runs the forward under autocast (bf16): the head's matmul in bf16 as
     ``lm_head`` / verl's torch backend run it, statistics in fp32. Held to the naive (unfused)
-    bf16 path's error; the outputs also to verl's torch backend's."""
-    model = tiny_model()
+    bf16 path's error; the outputs also to verl's torch backend's. fp32 weights are verl's
+    training default, bf16 the weights its default mixed precision hands the forward.
+
+    Dtypes: logitless's log-probs and entropy are fp32 either way. verl's torch backend
+    returns its entropy in the backbone's output dtype, its values rounded to the bf16 of
+    the logits: bf16 with bf16 weights, fp32 holding bf16 values with fp32 weights."""
+    model = copy.deepcopy(tiny_model()).to(weights)
     g, e, _ = _upstream(SEQS)
     outs = {}
     for b in ("logitless", "torch", None):
@@ -94,12 +109,37 @@ def test_bf16_autocast_as_verl_runs_it():
         outs[b] = forward_step(eng, micro_batch(SEQS, fused=b is not None), g, e)
     truth = _run(model, None, SEQS, g=g, e=e, dtype=torch.float64)
     assert outs["logitless"][0].dtype == torch.float32
-    assert outs["logitless"][1].dtype == torch.float32  # verl's torch backend: bf16 entropy
+    assert outs["logitless"][1].dtype == torch.float32
+    verl_entropy = outs["torch"][1]
+    assert verl_entropy.dtype == weights
+    assert torch.equal(verl_entropy, verl_entropy.bfloat16().to(weights))  # bf16 values
+    assert not torch.equal(outs["logitless"][1], outs["logitless"][1].bfloat16().float())
     for i, name in enumerate(("log_probs", "entropy")):
-        refs = {"unfused": outs[None][i], "torch backend": outs["torch"][i].float()}
+        refs = {"unfused": outs[None][i], "torch backend": outs["torch"][i]}
         _check(name, outs["logitless"][i], refs, truth[i])
     for n in truth[2]:
         _check(f"grad {n}", outs["logitless"][2][n], {"unfused": outs[None][2][n]}, truth[2][n])
+
+
+def test_gemma2_final_logit_softcap_applied_where_verls_torch_backend_drops_it():
+    """Gemma-2 computes its logits as ``30·tanh(z / 30)`` (``final_logit_softcapping``).
+    verl 0.9's torch backend (``forward_with_torch_backend`` -> ``FusedLinearForPPO``) scores
+    ``hidden @ lm_head.weight.T`` without it; logitless applies it. Held to the unfused path
+    (the model's own softcapped logits -> verl's log-softmax) against float64, gradients too."""
+    model = tiny_gemma2()
+    g, e, _ = _upstream(SEQS)
+    ours = _run(model, "logitless", SEQS, g=g, e=e)
+    unfused = _run(model, None, SEQS, g=g, e=e)
+    truth = _run(model, None, SEQS, g=g, e=e, dtype=torch.float64)
+    for i, name in enumerate(("log_probs", "entropy")):
+        _check(name, ours[i], {"unfused": unfused[i]}, truth[i])
+    for n in truth[2]:
+        _check(f"grad {n}", ours[2][n], {"unfused": unfused[2][n]}, truth[2][n])
+    # the case is one where the softcap matters: verl's torch backend, which drops it, is
+    # nats off (docs/migrating.md states this of verl 0.9.1)
+    verl_torch = _run(model, "torch", SEQS)
+    off = float((verl_torch[0] - truth[0]).abs().max())
+    assert off > 5.0, f"verl's torch backend within {off:.3g} nats of the softcapped truth"
 
 
 def test_the_switch_is_one_replaced_function_and_undone():
