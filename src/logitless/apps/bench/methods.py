@@ -64,10 +64,13 @@ def _build_naive(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
-def _build_logitless(backend: str, capture: str = "off") -> Callable[[Workload, Inputs], Step]:
+def _build_logitless(
+    backend: str, capture: str = "off", invariant: bool = False
+) -> Callable[[Workload, Inputs], Step]:
     """The fused op: ``logitless.linear_logprobs(..., backend=backend)`` + backward;
     ``capture``: ``"off"`` (the default mode), ``"all"`` (``capturable=True``: every row) or
-    ``"capacity"`` (``capturable=True, row_capacity=`` the workload's valid rows)."""
+    ``"capacity"`` (``capturable=True, row_capacity=`` the workload's valid rows);
+    ``invariant``: ``batch_invariant=True``."""
 
     def build(work: Workload, inputs: Inputs) -> Step:
         from logitless import linear_logprobs
@@ -75,6 +78,8 @@ def _build_logitless(backend: str, capture: str = "off") -> Callable[[Workload, 
         mode = {} if capture == "off" else {"capturable": True}
         if capture == "capacity":
             mode["row_capacity"] = work.valid_rows
+        if invariant:
+            mode["batch_invariant"] = True
 
         def step() -> None:
             out = linear_logprobs(
@@ -372,9 +377,10 @@ def _build_loss_composed(head: str) -> Callable[[Workload, Inputs], Step]:
 
 
 def _build_loss_fused(
-    config: Callable, backend: str = "auto"
+    config: Callable, backend: str = "auto", invariant: bool = False
 ) -> Callable[[Workload, Inputs], Step]:
-    """``logitless.fused_policy_loss(..., backend=backend)`` + backward."""
+    """``logitless.fused_policy_loss(..., backend=backend, batch_invariant=invariant)`` +
+    backward."""
 
     def build(work: Workload, inputs: Inputs) -> Step:
         from logitless import fused_policy_loss
@@ -391,6 +397,7 @@ def _build_loss_fused(
                 config=cfg,
                 document_ids=rl.document_ids,
                 backend=backend,
+                batch_invariant=invariant,
             )
             loss.backward()
 
@@ -577,12 +584,6 @@ def _build_trl_distill(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
-def _invariance() -> dict[str, Method]:
-    from . import invariance  # its builders use this module's helpers, all defined by now
-
-    return invariance.methods()
-
-
 TASKS: dict[str, dict[str, Method]] = {
     "logprobs": {
         m.name: m
@@ -742,7 +743,38 @@ TASKS: dict[str, dict[str, Method]] = {
             Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
         )
     },
-    "invariance": _invariance(),
+    # what the mode buys is printed under the table: invariance.ratio_report
+    "invariance": {
+        m.name: m
+        for m in (
+            Method("naive", "baseline", _build_naive),
+            Method(
+                "logitless",
+                "op",
+                _build_logitless("auto"),
+                note=lambda w: "linear_logprobs, the default mode",
+            ),
+            Method(
+                "invariant",
+                "op",
+                _build_logitless("auto", invariant=True),
+                note=lambda w: "linear_logprobs(batch_invariant=True)",
+            ),
+            Method(
+                "fused",
+                "op",
+                _build_loss_fused(_dapo_config),
+                note=lambda w: _fused_note("DAPO", w),
+            ),
+            Method(
+                "fused_invariant",
+                "op",
+                _build_loss_fused(_dapo_config, invariant=True),
+                note=lambda w: "fused_policy_loss(batch_invariant=True), DAPO",
+            ),
+            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
+        )
+    },
 }
 
 
