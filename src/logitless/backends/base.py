@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ..contract.divergence import TopKRows
 from ..contract.options import WeightGradInto
 from ..contract.vocab import VocabParallel
 from ..transform import LogitTransform, compute_dtype
@@ -365,3 +366,67 @@ def finish_stats(
     lse = m + log_s
     ent = None if q is None else log_s - q / s
     return (zy - m) - log_s, lse, ent
+
+
+# --------------------------------------------------------------------------------------------
+# The divergence's rows (its torch tiles, ``ops/divergence/tiles.py``, and its Triton kernels,
+# ``triton_divergence.py``, both implement them)
+# --------------------------------------------------------------------------------------------
+
+
+class DivRows(NamedTuple):
+    """The valid rows of a divergence call: the student's :class:`RowBatch` (labels
+    shard-local under vocab parallelism), the teacher's (its hidden ``[M, H_t]``, weight,
+    bias; None with a sparse teacher) and the sparse teacher's rows (ids shard-local)."""
+
+    student: RowBatch
+    teacher: RowBatch | None
+    topk: TopKRows | None
+
+    def padded(self, pad: int) -> DivRows:
+        """These rows followed by ``pad`` copies of the first (the batch-invariant schedule's
+        filler, see :meth:`RowBatch.padded`)."""
+        t, topk = self.teacher, self.topk
+        return DivRows(
+            self.student.padded(pad),
+            None if t is None else t.padded(pad),
+            None if topk is None else TopKRows(*(extend_rows(x, pad) for x in topk)),
+        )
+
+
+@dataclass(frozen=True)
+class DivOptions:
+    """The kernels' options: the student's (schedule, transform, entropy, vocab parallel), the
+    teacher's transform and head dtype (same schedule), the mode and beta."""
+
+    student: KernelOptions
+    teacher: KernelOptions | None
+    mode: str
+    beta: float
+
+
+class DivStats(NamedTuple):
+    """Forward results per row ``[M]`` (compute dtype): divergence, log-prob, entropy (or
+    None); each head's log-sum-exp as its two parts, the max ``m`` and ``log Σ exp(z - m)``
+    (``log p = (z - m) - log Σ``: rounding ``m + log Σ`` first would cost the likely tokens'
+    log-probs ~6x their accuracy); ``aux``: KL(p_s‖p_t) (reverse), KL(p_s‖m) (JSD), the same
+    over the top-k buckets (a sparse teacher, beta > 0), else None; ``tail``: the log of the
+    student's mass outside the sparse teacher's ids (None with a dense teacher)."""
+
+    divergence: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    max: torch.Tensor
+    log_sum: torch.Tensor
+    teacher_max: torch.Tensor | None
+    teacher_log_sum: torch.Tensor | None
+    aux: torch.Tensor | None
+    tail: torch.Tensor | None
+
+
+class DivUpstream(NamedTuple):
+    """Upstream gradients ``[M]`` of the divergence, the log-prob and the entropy (None: unused)."""
+
+    divergence: torch.Tensor | None
+    logp: torch.Tensor | None
+    entropy: torch.Tensor | None
