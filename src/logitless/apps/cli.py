@@ -311,21 +311,9 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Handler of ``logitless demo``: run one mode (or both) per seed, summarize, plot."""
-    import statistics
     import time
 
-    import torch
-
-    from .demo import (
-        DemoConfig,
-        check_step,
-        plot_demo,
-        read_csv,
-        run_demo,
-        seeds_summary,
-        show_samples,
-        write_csv,
-    )
+    from .demo import check_step, read_csv, run_demo, seeds_summary, show_samples
 
     if args.summarize:
         try:
@@ -336,6 +324,33 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
             print(line)
         return 0
     t0 = time.perf_counter()
+    configs = _demo_configs(parser, args)
+    if args.check_step:
+        for seed_config in configs:
+            print(check_step(seed_config).summary(), flush=True)
+        print(f"done in {time.perf_counter() - t0:.0f} s")
+        return 0
+    results = []
+    for config in configs:
+        result = run_demo(config, progress=not args.quiet)
+        results.append(result)
+        print(result.summary(), flush=True)
+        if config.seed == args.seed:  # what the trained policy answers, first seed only
+            for line in show_samples(result, n=3):
+                print(f"    {line}")
+    _report_demo(args, results)
+    elapsed = time.perf_counter() - t0
+    print(f"demo run time: {elapsed // 60:.0f} min {elapsed % 60:.0f} s ({len(results)} runs)")
+    return 0
+
+
+def _demo_configs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """The demo's runs (one per seed and mode) from the checked arguments, announced on one
+    line; a bad argument ends the command through ``parser.error``."""
+    import torch
+
+    from .demo import DemoConfig
+
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available in this torch build")
     if args.group < 2:
@@ -379,19 +394,17 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         f"per step, {what}, {c.device}, {args.threads} threads",
         flush=True,
     )
-    if args.check_step:
-        for seed_config in configs:
-            print(check_step(seed_config).summary(), flush=True)
-        print(f"done in {time.perf_counter() - t0:.0f} s")
-        return 0
-    results = []
-    for config in configs:
-        result = run_demo(config, progress=not args.quiet)
-        results.append(result)
-        print(result.summary(), flush=True)
-        if config.seed == args.seed:  # what the trained policy answers, first seed only
-            for line in show_samples(result, n=3):
-                print(f"    {line}")
+    return configs
+
+
+def _report_demo(args: argparse.Namespace, results: list) -> None:
+    """After the runs: the memory note, the comparison and the seeds' summary, the CSV and
+    the plot."""
+    import statistics
+
+    from .demo import check_step, plot_demo, seeds_summary, write_csv
+
+    c = results[0].config
     print(results[0].memory_note)
     if args.compare:
         fused_mb, naive_mb = (
@@ -402,7 +415,7 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
             f"naive / logitless peak step memory: {naive_mb:.0f} / {fused_mb:.0f} MB = "
             f"{naive_mb / fused_mb:.1f}x (median step, median over seeds)"
         )
-    if args.compare or n_seeds > 1:
+    if args.compare or len({r.config.seed for r in results}) > 1:
         for line in seeds_summary(results):
             print(line)
     if args.compare:
@@ -420,9 +433,6 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
                 "no plot: matplotlib is not installed (pip install -e '.[bench]' in a logitless "
                 "checkout)"
             )
-    elapsed = time.perf_counter() - t0
-    print(f"demo run time: {elapsed // 60:.0f} min {elapsed % 60:.0f} s ({len(results)} runs)")
-    return 0
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (

@@ -669,6 +669,7 @@ def run_demo(
     loss_config = config.loss_config()
     prompt_generator = torch.Generator().manual_seed(config.seed)
     sample_generator = torch.Generator(device=device).manual_seed(config.seed + 1)
+    generators = (prompt_generator, sample_generator)
 
     t_start = time.perf_counter()
     policy = build_policy(config)
@@ -699,33 +700,8 @@ def run_demo(
     gc.freeze()
     try:
         for step in range(1, config.steps + 1):
-            t0 = time.perf_counter()
-            with _StepMemory(device) as mem:
-                batch = rollout(policy, reference, task, config, prompt_generator, sample_generator)
-                loss_sum = kl_sum = clip_sum = 0.0
-                for _ in range(config.updates):
-                    loss, metrics = step_loss(policy, batch, loss_config, naive=config.naive)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-                    optimizer.step()
-                    loss_sum += float(loss.detach())
-                    kl_sum += float(metrics["kl_ref"]) if "kl_ref" in metrics else 0.0
-                    clip_sum += float(metrics["clip_frac_low"] + metrics["clip_frac_high"])
-                    del loss, metrics
-                entropy = float(batch.entropy[batch.labels != IGNORE].mean())
-                reward = float(batch.rewards.mean())
-                del batch
-            note = mem.note
-            row = StepMetrics(
-                step=step,
-                reward=reward,
-                loss=loss_sum / config.updates,
-                kl=kl_sum / config.updates,
-                entropy=entropy,
-                clip_frac=clip_sum / config.updates,
-                peak_mem_mb=mem.peak_bytes / 2**20,
-                seconds=time.perf_counter() - t0,
+            row, note = _rl_step(
+                step, policy, reference, optimizer, task, config, loss_config, generators
             )
             rows.append(row)
             if on_step is not None:
@@ -745,6 +721,42 @@ def run_demo(
         warmup_seconds=warmup_seconds,
         run_seconds=time.perf_counter() - t_start,
     )
+
+
+def _rl_step(
+    step: int, policy, reference, optimizer, task: ToyTask, config: DemoConfig,
+    loss_config: PolicyLossConfig, generators: tuple[torch.Generator, torch.Generator],
+) -> tuple[StepMetrics, str]:  # fmt: skip
+    """One GRPO step of :func:`run_demo`: a rollout, ``config.updates`` optimizer updates on
+    it; its metrics and the memory meter's note."""
+    t0 = time.perf_counter()
+    with _StepMemory(torch.device(config.device)) as mem:
+        batch = rollout(policy, reference, task, config, *generators)
+        loss_sum = kl_sum = clip_sum = 0.0
+        for _ in range(config.updates):
+            loss, metrics = step_loss(policy, batch, loss_config, naive=config.naive)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+            optimizer.step()
+            loss_sum += float(loss.detach())
+            kl_sum += float(metrics["kl_ref"]) if "kl_ref" in metrics else 0.0
+            clip_sum += float(metrics["clip_frac_low"] + metrics["clip_frac_high"])
+            del loss, metrics
+        entropy = float(batch.entropy[batch.labels != IGNORE].mean())
+        reward = float(batch.rewards.mean())
+        del batch
+    row = StepMetrics(
+        step=step,
+        reward=reward,
+        loss=loss_sum / config.updates,
+        kl=kl_sum / config.updates,
+        entropy=entropy,
+        clip_frac=clip_sum / config.updates,
+        peak_mem_mb=mem.peak_bytes / 2**20,
+        seconds=time.perf_counter() - t0,
+    )
+    return row, mem.note
 
 
 def show_samples(result: DemoResult, n: int = 4, seed: int = 12345) -> list[str]:

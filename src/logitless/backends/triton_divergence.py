@@ -42,6 +42,7 @@ from .triton_launch import (
     head_grads,
     launch,
     logits_tile,
+    online_step,
     register,
     row_factor,
     row_inv_temperature,
@@ -125,17 +126,9 @@ def _div_stats_kernel(
         z_t = tl.where(col_ok[None, :], z_t, -1.0e30)
         is_label = (offs_n[None, :] == y[:, None]) & col_ok[None, :]
         zy += tl.sum(tl.where(is_label, z_s, 0.0), axis=1)
-        ms_new = tl.maximum(m_s, tl.max(z_s, axis=1))
-        mt_new = tl.maximum(m_t, tl.max(z_t, axis=1))
-        # each head's m_old - m_new (<= 0; 0 on the first block, whose m is -inf)
-        shift_s = tl.where(m_s == float("-inf"), 0.0, m_s - ms_new)
-        shift_t = tl.where(m_t == float("-inf"), 0.0, m_t - mt_new)
-        d_s = z_s - ms_new[:, None]  # <= 0: every term below is centred on the maxima
-        d_t = z_t - mt_new[:, None]
-        e_s = tl.exp(d_s)
-        e_t = tl.exp(d_t)
-        alpha_s = tl.exp(m_s - ms_new)  # 0 on the first block (m = -inf)
-        alpha_t = tl.exp(m_t - mt_new)
+        # each head's new max, m_old - m_new, d = z - m_new, exp(d), exp(m_old - m_new)
+        ms_new, shift_s, d_s, e_s, alpha_s = online_step(m_s, z_s)
+        mt_new, shift_t, d_t, e_t, alpha_t = online_step(m_t, z_t)
         if WITH_ENTROPY:
             q_s = alpha_s * (q_s + shift_s * s_s) + tl.sum(tl.where(e_s > 0.0, e_s * d_s, 0.0), 1)
         # the cross sum Σ e·(d_own - d_other): its old terms move by shift_own - shift_other

@@ -54,6 +54,7 @@ from .triton_launch import (
     head_grads,
     launch,
     logits_tile,
+    online_step,
     register,
     row_factor,
     row_inv_temperature,
@@ -126,12 +127,8 @@ def _stats_kernel(
         # (a shard-local label of another rank's shard may equal a tail column: mask it)
         is_label = (offs_n[None, :] == y[:, None]) & col_ok[None, :]
         zy += tl.sum(tl.where(is_label, z, 0.0), axis=1)
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        d = z - m_new[:, None]  # <= 0
-        e = tl.exp(d)
-        alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
+        m_new, shift, d, e, alpha = online_step(m_i, z)  # d = z - m_new <= 0
         if WITH_ENTROPY:
-            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_new)
             ed = tl.where(e > 0.0, e * d, 0.0)  # 0·(-inf) would be NaN for a -inf logit
             q_i = alpha * (q_i + shift * s_i) + tl.sum(ed, axis=1)
         s_i = alpha * s_i + tl.sum(e, axis=1)

@@ -100,6 +100,18 @@ def chunk_program(M, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def online_step(m, z):
+    """One tile of an online log-sum-exp over ``[BLOCK_M, BLOCK_N]`` logits ``z`` whose rows'
+    running max is ``m``: the new max, the shift ``m - m_new`` (<= 0; 0 on the first tile,
+    whose ``m`` is -inf), ``d = z - m_new`` (<= 0: every sum is centred on the max),
+    ``exp(d)`` and ``exp(m - m_new)``, the rescale of the sums so far (0 on the first tile)."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    shift = tl.where(m == float("-inf"), 0.0, m - m_new)
+    d = z - m_new[:, None]
+    return m_new, shift, d, tl.exp(d), tl.exp(m - m_new)
+
+
+@triton.jit
 def row_factor(inv_t, scale, HAS_SCALE: tl.constexpr):
     """``[BLOCK_M]`` the per-row part of the transform's derivative, ``s / T``."""
     if HAS_SCALE:
