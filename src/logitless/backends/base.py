@@ -304,6 +304,11 @@ class RowStats(NamedTuple):
     entropy: torch.Tensor | None
     kept: torch.Tensor | None = None
 
+    def padded(self, pad: int) -> RowStats:
+        """The statistics backward reads (lse, entropy) followed by ``pad`` copies of the
+        first row's (see :func:`padded_backward`)."""
+        return self._replace(lse=extend_rows(self.lse, pad), entropy=extend_rows(self.entropy, pad))
+
 
 class Upstream(NamedTuple):
     """The upstream gradients of a backward: d loss / d logp and d loss / d entropy, each
@@ -323,6 +328,20 @@ GradFn = Callable[
 Needs = tuple[bool, bool, bool]
 #: (d hidden [M, H], d weight [V, H], d bias [V]), each None when not needed, in their dtypes.
 HeadGrads = tuple["torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def padded_backward(backward: Callable, rows, stats, up, opts, needs: Needs, pad: int) -> HeadGrads:
+    """``backward(rows, stats, up, opts, needs)`` of any backend or op on ``rows`` followed by
+    ``pad`` filler rows (the batch-invariant schedule's whole row blocks): the fillers repeat
+    the first row's statistics and get a zero upstream gradient, so their logit gradient is
+    exactly 0 (they add nothing to dW / db) and their hidden gradient is dropped. ``rows`` and
+    ``stats`` have ``padded(pad)``; ``up`` is a tuple of ``[M]`` tensors or None. ``pad`` 0:
+    ``backward`` on the rows as they are."""
+    if pad == 0:
+        return backward(rows, stats, up, opts, needs)
+    up = type(up)(*(extend_rows(u, pad, 0.0) for u in up))
+    dh, dw, db = backward(rows.padded(pad), stats.padded(pad), up, opts, needs)
+    return (None if dh is None else dh[: dh.shape[0] - pad]), dw, db
 
 
 class KernelBackend(Protocol):
@@ -422,6 +441,11 @@ class DivStats(NamedTuple):
     teacher_log_sum: torch.Tensor | None
     aux: torch.Tensor | None
     tail: torch.Tensor | None
+
+    def padded(self, pad: int) -> DivStats:
+        """Every field followed by ``pad`` copies of its first row (see
+        :func:`padded_backward`)."""
+        return DivStats(*(extend_rows(x, pad) for x in self))
 
 
 class DivUpstream(NamedTuple):

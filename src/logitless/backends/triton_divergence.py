@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import DivOptions, DivRows, DivStats, DivUpstream, HeadGrads, Needs, extend_rows
+from .base import DivOptions, DivRows, DivStats, DivUpstream, HeadGrads, Needs, padded_backward
 from .triton_launch import (
     KernelHead,
     chunk_program,
@@ -433,11 +433,8 @@ def backward_rows(
     chunk (the teacher's only when the divergence has a gradient)."""
     num_rows = rows.student.hidden.shape[0]
     pad = opts.student.schedule.padding(num_rows)
-    if pad:  # the filler rows: the first row's statistics, a zero upstream gradient (dz = 0)
-        stats = DivStats(*(extend_rows(x, pad) for x in stats))
-        up = DivUpstream(*(extend_rows(u, pad, 0.0) for u in up))
-        dh, dw, db = backward_rows(rows.padded(pad), stats, up, opts, needs)
-        return (None if dh is None else dh[:num_rows]), dw, db
+    if pad:
+        return padded_backward(backward_rows, rows, stats, up, opts, needs, pad)
     heads = _Heads(rows, opts)
     use_e = up.entropy is not None and stats.entropy is not None
     flags = {"HAS_D": up.divergence is not None, "HAS_G": up.logp is not None, "HAS_E": use_e}

@@ -45,8 +45,8 @@ from .base import (
     RowBatch,
     RowStats,
     Upstream,
-    extend_rows,
     finish_stats,
+    padded_backward,
 )
 from .triton_launch import (
     KernelHead,
@@ -72,35 +72,13 @@ from .triton_launch import (
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _stats_kernel(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    t_ptr,
-    stats_ptr,
-    M,
-    V,
-    K,
-    stride_h,
-    stride_w,
-    num_splits,
-    inv_temp,
-    scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TEMP_MODE: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr,
-    HEAD_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, stats_ptr,
+    M, V, K, stride_h, stride_w, num_splits, inv_temp, scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    TEMP_MODE: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    HEAD_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """Online (m, s, q, z_y) of one row block over one vocabulary split -> stats[:, split, rows].
 
     stats: [4, num_splits, M] fp32. A split with no vocab block (possible when the blocks do not
@@ -145,41 +123,13 @@ def _stats_kernel(
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _dz_kernel(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    t_ptr,
-    lse_ptr,
-    ent_ptr,
-    g_ptr,
-    e_ptr,
-    dz_ptr,
-    M,
-    V,
-    K,
-    stride_h,
-    stride_w,
-    v_start,
-    width,
-    inv_temp,
-    scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TEMP_MODE: tl.constexpr,
-    HAS_G: tl.constexpr,
-    HAS_E: tl.constexpr,
-    HEAD_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_ptr,
+    M, V, K, stride_h, stride_w, v_start, width, inv_temp, scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    TEMP_MODE: tl.constexpr, HAS_G: tl.constexpr, HAS_E: tl.constexpr,
+    HEAD_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """d loss / d raw logits of rows [0, M) and columns [v_start, v_start + width) -> dz.
 
     dz: [M, width] contiguous, in the compute dtype; lse, ent, g, e: [M] fp32.
@@ -335,13 +285,8 @@ def backward_rows(
     """
     num_rows = rows.hidden.shape[0]
     pad = opts.schedule.padding(num_rows)
-    if pad:  # the filler rows: the first row's statistics, a zero upstream gradient (dz = 0)
-        stats = stats._replace(
-            lse=extend_rows(stats.lse, pad), entropy=extend_rows(stats.entropy, pad)
-        )
-        up = Upstream(*(extend_rows(u, pad, 0.0) for u in up))
-        dh, dw, db = backward_rows(rows.padded(pad), stats, up, opts, needs)
-        return (None if dh is None else dh[:num_rows]), dw, db
+    if pad:
+        return padded_backward(backward_rows, rows, stats, up, opts, needs, pad)
     grad_logp, grad_ent = up
     use_e = opts.with_entropy and grad_ent is not None
     call = KernelHead(rows, opts)

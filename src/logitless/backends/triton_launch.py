@@ -129,29 +129,12 @@ def store_dz(dz_ptr, dz, offs_m, offs_c, row_ok, col_ok, width):
 
 @triton.jit
 def logits_tile(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    rows,
-    cols,
-    inv_t,
-    K,
-    stride_h,
-    stride_w,
-    scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    h_ptr, w_ptr, b_ptr, rows, cols, inv_t, K, stride_h, stride_w, scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     TEMP_MODE: tl.constexpr,
-    HEAD_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    HEAD_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     """Transformed logits ``z = softcap(s·(h·wᵀ + b)) / T`` of one [BLOCK_M, BLOCK_N] tile,
     fp32, and ``tanh(s·x / softcap)`` (for the backward's softcap derivative; ``z`` without
     softcap).

@@ -43,7 +43,7 @@ from ...backends.base import (
     DivUpstream,
     HeadGrads,
     Needs,
-    extend_rows,
+    padded_backward,
 )
 from ...backends.torch_tiles import GradAccumulator, label_slot, project, weight_block
 from ...contract.collectives import all_reduce
@@ -347,13 +347,7 @@ def backward_rows(
     their dtypes) under the upstream gradients ``up``; recomputes every tile."""
     num_rows = rows.student.hidden.shape[0]
     pad = opts.student.schedule.padding(num_rows)
-    if pad == 0:
-        return _backward_rows(rows, stats, up, opts, needs)
-    # The filler rows repeat the first row's statistics with a zero upstream gradient: dz = 0.
-    stats = DivStats(*(extend_rows(x, pad) for x in stats))
-    up = DivUpstream(*(extend_rows(u, pad, 0.0) for u in up))
-    dh, dw, db = _backward_rows(rows.padded(pad), stats, up, opts, needs)
-    return (None if dh is None else dh[:num_rows]), dw, db
+    return padded_backward(_backward_rows, rows, stats, up, opts, needs, pad)
 
 
 def _backward_rows(
