@@ -321,8 +321,7 @@ class _Heads:
 
     def scalars(self) -> tuple:
         """1/T, then each head's scale and softcap."""
-        s, t = self.s, self.t
-        return (s.inv_temp, s.scale, s.softcap, t.scale, t.softcap)
+        return (*self.s.scalars(), *self.t.scalars()[1:])
 
     def mixture(self) -> tuple[float, float]:
         """``(log(1-β), log β)`` of the JSD (0 otherwise: unused)."""

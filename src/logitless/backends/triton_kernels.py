@@ -187,28 +187,16 @@ def _merge_splits(
 
 def _stats_pass(call: KernelHead, r0: int, r1: int, opts: KernelOptions):
     """logp, lse, entropy (or None) of rows [r0, r1): one kernel launch and the merge."""
-    rows, vocab, dim = r1 - r0, call.weight.shape[0], call.weight.shape[1]
+    rows, vocab = r1 - r0, call.weight.shape[0]
     splits = vocab_splits(rows, vocab, call.hidden.device)
     stats = torch.empty(4, splits, rows, device=call.hidden.device)
     launch(
         "stats",
         rows * vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
-        *call.tensors(r0, r1),
-        stats,
-        rows,
-        vocab,
-        dim,
-        call.hidden.stride(0),
-        call.weight.stride(0),
-        splits,
-        call.inv_temp,
-        call.scale,
-        call.softcap,
-        pinned=call.pinned,
-        WITH_ENTROPY=opts.with_entropy,
-        **call.meta,
-    )
+        *call.tensors(r0, r1), stats, rows, *call.sizes(), splits, *call.scalars(),
+        pinned=call.pinned, WITH_ENTROPY=opts.with_entropy, **call.meta,
+    )  # fmt: skip
     m, s, q, zy = _merge_splits(stats)
     return finish_stats(m, s, q if opts.with_entropy else None, zy, opts.vocab_parallel)
 
@@ -245,34 +233,21 @@ def _dz_chunk(call: KernelHead, r0: int, r1: int, v0: int, dz, lse, ent, g, e) -
     [rows, width] (one launch). lse, g: [M] fp32 (g None: no log-prob gradient); ent / e:
     [M] fp32 or None (no entropy gradient)."""
     rows, width = dz.shape
-    vocab, dim = call.weight.shape
     placeholder = lse  # any fp32 tensor; never read when its flag is off
     use_e = ent is not None
-    launch(
-        "dz",
-        rows * width,
-        lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
-        *call.tensors(r0, r1),
+    per_row = (
         lse[r0:r1],
         ent[r0:r1] if use_e else placeholder,
         g[r0:r1] if g is not None else placeholder,
         e[r0:r1] if use_e else placeholder,
-        dz,
-        rows,
-        vocab,
-        dim,
-        call.hidden.stride(0),
-        call.weight.stride(0),
-        v0,
-        width,
-        call.inv_temp,
-        call.scale,
-        call.softcap,
-        HAS_G=g is not None,
-        HAS_E=use_e,
-        pinned=call.pinned,
-        **call.meta,
     )
+    launch(
+        "dz",
+        rows * width,
+        lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
+        *call.tensors(r0, r1), *per_row, dz, rows, *call.sizes(), v0, width, *call.scalars(),
+        HAS_G=g is not None, HAS_E=use_e, pinned=call.pinned, **call.meta,
+    )  # fmt: skip
 
 
 def backward_rows(

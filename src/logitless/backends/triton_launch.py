@@ -46,7 +46,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels
+# The tile code every family's kernels call (inlined by Triton)
 # --------------------------------------------------------------------------------------------
 
 
@@ -392,7 +392,8 @@ def launch(name: str, elems: int, grid_of, *args, pinned: bool = False, **kwargs
 
 
 class KernelHead:
-    """What every launch of one call shares: tensors made kernel-ready and the constexprs."""
+    """One head of a call made kernel-ready: what every launch of the call shares (its
+    tensors, scalars and constexprs, as the kernels name them)."""
 
     def __init__(self, rows: RowBatch, opts: KernelOptions) -> None:
         hidden, weight, bias, labels, temp = rows
@@ -430,6 +431,15 @@ class KernelHead:
             "DOT_DTYPE": tl.float32 if INTERPRET else dot,
             "IEEE": ieee,
         }
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """V, K (the hidden width) and the hidden's and weight's row strides."""
+        vocab, dim = self.weight.shape
+        return vocab, dim, self.hidden.stride(0), self.weight.stride(0)
+
+    def scalars(self) -> tuple[float, float, float]:
+        """1/T (the scalar temperature's), the logit scale and the softcap."""
+        return self.inv_temp, self.scale, self.softcap
 
     def tensors(self, r0: int, r1: int):
         """(hidden, weight, bias, labels, temperature) of rows [r0, r1), with placeholders for
