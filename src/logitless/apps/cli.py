@@ -153,7 +153,6 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Handler of ``logitless bench``: run, print the table, append the CSV, plot."""
     from .bench.harness import (
         append_csv,
-        check_csv_header,
         format_table,
         machine_string,
         now_timestamp,
@@ -164,24 +163,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     from .bench.workload import Workload
 
     methods = _selected_methods(parser, args)
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: CUDA is not available in this torch build")
-    if not args.no_csv:
-        try:
-            check_csv_header(args.csv)
-        except ValueError as exc:
-            parser.error(str(exc))
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(
-                "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
-            )
-
+    _check_bench_outputs(parser, args)
     base = Workload(
         task=args.task,
         tokens=args.tokens[0],
@@ -230,6 +212,30 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         plot_rows(rows, args.plot, machine_string())
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+def _check_bench_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Before any run: the device exists, the CSV's header matches, matplotlib for ``--plot``
+    (``parser.error`` otherwise)."""
+    from .bench.harness import check_csv_header
+
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available in this torch build")
+    if not args.no_csv:
+        try:
+            check_csv_header(args.csv)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
+            )
 
 
 DEFAULT_DEMO_PLOT = "demo-results/grpo_demo_{mode}.png"
