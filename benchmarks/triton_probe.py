@@ -119,7 +119,7 @@ def main() -> None:
     import triton
 
     print("triton", triton.__version__)
-    from logitless.backends import triton_kernels as triton_head
+    from logitless.backends import triton_launch as triton_head
 
     print("addmm out_dtype fp32:", triton_head._has_fp32_out_mm(torch.device("cuda")))
     t0 = time.time()
@@ -235,10 +235,10 @@ def main() -> None:
         print(f"{tag}: host syncs in one triton fwd+bwd: {len(syncs)}")
         for s in syncs:
             print("   ", s)
-    from logitless.backends.triton_kernels import _KERNELS
+    from logitless.backends.triton_launch import KERNELS
 
     for name in ("stats", "dz"):
-        k = _KERNELS[name].tuned
+        k = KERNELS[name].tuned
         for key, cfg in getattr(k, "cache", {}).items():
             print(f"autotuned {name} {key}: {cfg}")
         for cfg, t in sorted(getattr(k, "configs_timings", {}).items(), key=lambda x: x[1]):

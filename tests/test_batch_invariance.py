@@ -340,20 +340,17 @@ def test_triton_schedule_does_not_follow_the_rows(op, monkeypatch):
     same kernel, size, grid (row blocks x vocabulary splits) and the pinned configuration,
     whatever the number of rows: the rows go in whole blocks, so only the number of passes
     changes. (The bits themselves need a GPU: the interpreter's dot runs through numpy.)"""
-    from logitless.backends import triton_kernels as tk
+    from logitless.backends import triton_divergence, triton_kernels, triton_launch
 
     seen: list[tuple] = []
-    real = tk._launch
+    real = triton_launch.launch
 
     def spy(name, elems, grid_of, *args, pinned=False, **kwargs):
-        seen.append((name, elems, grid_of(tk._INTERPRETER.kwargs), pinned))
+        seen.append((name, elems, grid_of(triton_launch.INTERPRETER.kwargs), pinned))
         return real(name, elems, grid_of, *args, pinned=pinned, **kwargs)
 
-    monkeypatch.setattr(tk, "_launch", spy)
-    if op == "divergence":
-        from logitless.ops.divergence import triton_kernels as dk
-
-        monkeypatch.setattr(dk, "_launch", spy)
+    for family in (triton_kernels, triton_divergence):
+        monkeypatch.setattr(family, "launch", spy)
     vocab, dim = 300, 16
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, dim, generator=g, requires_grad=True)
@@ -384,12 +381,13 @@ def test_triton_schedule_does_not_follow_the_rows(op, monkeypatch):
 def test_triton_pinned_configuration_is_one_of_the_checked_ones():
     """The mode's one configuration per kernel table and dot kind comes from the autotuned
     lists (each compiled and checked for spills by the ahead-of-time check)."""
-    from logitless.backends import triton_kernels as tk
+    from logitless.backends import triton_kernels  # noqa: F401 (registers its kernels)
+    from logitless.backends import triton_launch as tl
 
     for name, ieee in (("stats", "IEEE"), ("dz", "IEEE")):
         for flag, kind in ((False, "tc"), (True, "fma")):
-            pinned = tk.pinned_config(name, {ieee: flag})
-            assert pinned in tk._TABLES[tk._KERNELS[name].table][kind]
+            pinned = tl.pinned_config(name, {ieee: flag})
+            assert pinned in tl.TABLES[tl.KERNELS[name].table][kind]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -65,7 +65,7 @@ BACKENDS = [
 @pytest.fixture
 def narrow_chunks_cuda(monkeypatch):
     """The Triton backward refills its workspace many times (narrow vocabulary chunks)."""
-    from logitless.backends import triton_kernels as triton_head
+    from logitless.backends import triton_launch as triton_head
 
     monkeypatch.setattr(triton_head, "_WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(triton_head, "_MIN_VOCAB_CHUNK", 96)
@@ -122,7 +122,7 @@ def test_triton_makes_one_host_sync():
 def test_triton_peak_memory_is_gradients_plus_workspace():
     """bf16, Qwen-sized vocabulary: extra memory = dW + dh + an fp32 dh accumulator + the
     backward workspace (128 MiB) + small change, far under the [N, V] logits."""
-    from logitless.backends import triton_kernels as triton_head
+    from logitless.backends import triton_launch as triton_head
 
     N, H, V = 4096, 1024, 151936
     hidden = torch.randn(N, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)

@@ -41,7 +41,7 @@ triton_op = functools.partial(logitless.linear_logprobs, backend="triton")
 @pytest.fixture
 def narrow_chunks(monkeypatch):
     """Cut backward into many narrow vocabulary chunks (several workspace refills)."""
-    from logitless.backends import triton_kernels as triton_head
+    from logitless.backends import triton_launch as triton_head
 
     monkeypatch.setattr(triton_head, "_WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(triton_head, "_MIN_VOCAB_CHUNK", 96)

@@ -124,7 +124,8 @@ def test_the_autotuner_prunes_by_the_operand_size_on_the_device(monkeypatch):
     A100 keep fewer than bf16 weights do, and every kept one fits."""
     import torch
 
-    from logitless.backends import triton_kernels as tk
+    from logitless.backends import triton_kernels  # noqa: F401 (registers its kernels)
+    from logitless.backends import triton_launch as tk
 
     a100 = aot.TARGETS["sm_80"][1]
     monkeypatch.setattr(tk, "_shared_limit", lambda index: a100)

@@ -153,7 +153,6 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Handler of ``logitless bench``: run, print the table, append the CSV, plot."""
     from .bench.harness import (
         append_csv,
-        check_csv_header,
         format_table,
         machine_string,
         now_timestamp,
@@ -164,24 +163,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     from .bench.workload import Workload
 
     methods = _selected_methods(parser, args)
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: CUDA is not available in this torch build")
-    if not args.no_csv:
-        try:
-            check_csv_header(args.csv)
-        except ValueError as exc:
-            parser.error(str(exc))
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(
-                "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
-            )
-
+    _check_bench_outputs(parser, args)
     base = Workload(
         task=args.task,
         tokens=args.tokens[0],
@@ -230,6 +212,30 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         plot_rows(rows, args.plot, machine_string())
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+def _check_bench_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Before any run: the device exists, the CSV's header matches, matplotlib for ``--plot``
+    (``parser.error`` otherwise)."""
+    from .bench.harness import check_csv_header
+
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available in this torch build")
+    if not args.no_csv:
+        try:
+            check_csv_header(args.csv)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
+            )
 
 
 DEFAULT_DEMO_PLOT = "demo-results/grpo_demo_{mode}.png"
@@ -311,21 +317,9 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Handler of ``logitless demo``: run one mode (or both) per seed, summarize, plot."""
-    import statistics
     import time
 
-    import torch
-
-    from .demo import (
-        DemoConfig,
-        check_step,
-        plot_demo,
-        read_csv,
-        run_demo,
-        seeds_summary,
-        show_samples,
-        write_csv,
-    )
+    from .demo import check_step, read_csv, run_demo, seeds_summary, show_samples
 
     if args.summarize:
         try:
@@ -336,6 +330,33 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
             print(line)
         return 0
     t0 = time.perf_counter()
+    configs = _demo_configs(parser, args)
+    if args.check_step:
+        for seed_config in configs:
+            print(check_step(seed_config).summary(), flush=True)
+        print(f"done in {time.perf_counter() - t0:.0f} s")
+        return 0
+    results = []
+    for config in configs:
+        result = run_demo(config, progress=not args.quiet)
+        results.append(result)
+        print(result.summary(), flush=True)
+        if config.seed == args.seed:  # what the trained policy answers, first seed only
+            for line in show_samples(result, n=3):
+                print(f"    {line}")
+    _report_demo(args, results)
+    elapsed = time.perf_counter() - t0
+    print(f"demo run time: {elapsed // 60:.0f} min {elapsed % 60:.0f} s ({len(results)} runs)")
+    return 0
+
+
+def _demo_configs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """The demo's runs (one per seed and mode) from the checked arguments, announced on one
+    line; a bad argument ends the command through ``parser.error``."""
+    import torch
+
+    from .demo import DemoConfig
+
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available in this torch build")
     if args.group < 2:
@@ -379,19 +400,17 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         f"per step, {what}, {c.device}, {args.threads} threads",
         flush=True,
     )
-    if args.check_step:
-        for seed_config in configs:
-            print(check_step(seed_config).summary(), flush=True)
-        print(f"done in {time.perf_counter() - t0:.0f} s")
-        return 0
-    results = []
-    for config in configs:
-        result = run_demo(config, progress=not args.quiet)
-        results.append(result)
-        print(result.summary(), flush=True)
-        if config.seed == args.seed:  # what the trained policy answers, first seed only
-            for line in show_samples(result, n=3):
-                print(f"    {line}")
+    return configs
+
+
+def _report_demo(args: argparse.Namespace, results: list) -> None:
+    """After the runs: the memory note, the comparison and the seeds' summary, the CSV and
+    the plot."""
+    import statistics
+
+    from .demo import check_step, plot_demo, seeds_summary, write_csv
+
+    c = results[0].config
     print(results[0].memory_note)
     if args.compare:
         fused_mb, naive_mb = (
@@ -402,7 +421,7 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
             f"naive / logitless peak step memory: {naive_mb:.0f} / {fused_mb:.0f} MB = "
             f"{naive_mb / fused_mb:.1f}x (median step, median over seeds)"
         )
-    if args.compare or n_seeds > 1:
+    if args.compare or len({r.config.seed for r in results}) > 1:
         for line in seeds_summary(results):
             print(line)
     if args.compare:
@@ -420,9 +439,6 @@ def _run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
                 "no plot: matplotlib is not installed (pip install -e '.[bench]' in a logitless "
                 "checkout)"
             )
-    elapsed = time.perf_counter() - t0
-    print(f"demo run time: {elapsed // 60:.0f} min {elapsed % 60:.0f} s ({len(results)} runs)")
-    return 0
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (

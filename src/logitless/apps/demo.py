@@ -669,23 +669,12 @@ def run_demo(
     loss_config = config.loss_config()
     prompt_generator = torch.Generator().manual_seed(config.seed)
     sample_generator = torch.Generator(device=device).manual_seed(config.seed + 1)
+    generators = (prompt_generator, sample_generator)
 
     t_start = time.perf_counter()
     policy = build_policy(config)
     label = f"{config.mode} seed {config.seed}"
-    t_warmup = time.perf_counter()
-    bar = _Progress(config.warmup, f"warm-up {label}", stream, progress and config.warmup > 0)
-    try:
-        _warmup(
-            policy,
-            task,
-            config,
-            prompt_generator,
-            on_step=lambda loss: bar.update(f"cross-entropy={loss:.3f}"),
-        )
-    finally:
-        bar.close()
-    warmup_seconds = time.perf_counter() - t_warmup
+    warmup_seconds = _warm_up(policy, task, config, prompt_generator, label, stream, progress)
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, weight_decay=0.0)
 
@@ -699,33 +688,8 @@ def run_demo(
     gc.freeze()
     try:
         for step in range(1, config.steps + 1):
-            t0 = time.perf_counter()
-            with _StepMemory(device) as mem:
-                batch = rollout(policy, reference, task, config, prompt_generator, sample_generator)
-                loss_sum = kl_sum = clip_sum = 0.0
-                for _ in range(config.updates):
-                    loss, metrics = step_loss(policy, batch, loss_config, naive=config.naive)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-                    optimizer.step()
-                    loss_sum += float(loss.detach())
-                    kl_sum += float(metrics["kl_ref"]) if "kl_ref" in metrics else 0.0
-                    clip_sum += float(metrics["clip_frac_low"] + metrics["clip_frac_high"])
-                    del loss, metrics
-                entropy = float(batch.entropy[batch.labels != IGNORE].mean())
-                reward = float(batch.rewards.mean())
-                del batch
-            note = mem.note
-            row = StepMetrics(
-                step=step,
-                reward=reward,
-                loss=loss_sum / config.updates,
-                kl=kl_sum / config.updates,
-                entropy=entropy,
-                clip_frac=clip_sum / config.updates,
-                peak_mem_mb=mem.peak_bytes / 2**20,
-                seconds=time.perf_counter() - t0,
+            row, note = _rl_step(
+                step, policy, reference, optimizer, task, config, loss_config, generators
             )
             rows.append(row)
             if on_step is not None:
@@ -745,6 +709,60 @@ def run_demo(
         warmup_seconds=warmup_seconds,
         run_seconds=time.perf_counter() - t_start,
     )
+
+
+def _warm_up(policy, task, config: DemoConfig, generator, label: str, stream, progress: bool):
+    """:func:`run_demo`'s supervised warm-up of ``policy`` (with its progress bar); its
+    duration in seconds."""
+    t_warmup = time.perf_counter()
+    bar = _Progress(config.warmup, f"warm-up {label}", stream, progress and config.warmup > 0)
+    try:
+        _warmup(
+            policy,
+            task,
+            config,
+            generator,
+            on_step=lambda loss: bar.update(f"cross-entropy={loss:.3f}"),
+        )
+    finally:
+        bar.close()
+    return time.perf_counter() - t_warmup
+
+
+def _rl_step(
+    step: int, policy, reference, optimizer, task: ToyTask, config: DemoConfig,
+    loss_config: PolicyLossConfig, generators: tuple[torch.Generator, torch.Generator],
+) -> tuple[StepMetrics, str]:  # fmt: skip
+    """One GRPO step of :func:`run_demo`: a rollout, ``config.updates`` optimizer updates on
+    it; its metrics and the memory meter's note."""
+    t0 = time.perf_counter()
+    with _StepMemory(torch.device(config.device)) as mem:
+        batch = rollout(policy, reference, task, config, *generators)
+        loss_sum = kl_sum = clip_sum = 0.0
+        for _ in range(config.updates):
+            loss, metrics = step_loss(policy, batch, loss_config, naive=config.naive)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+            optimizer.step()
+            loss_sum += float(loss.detach())
+            kl_sum += float(metrics["kl_ref"]) if "kl_ref" in metrics else 0.0
+            clip_sum += float(metrics["clip_frac_low"] + metrics["clip_frac_high"])
+            del loss, metrics
+        entropy = float(batch.entropy[batch.labels != IGNORE].mean())
+        reward = float(batch.rewards.mean())
+        del batch
+    row = StepMetrics(
+        step=step,
+        reward=reward,
+        loss=loss_sum / config.updates,
+        kl=kl_sum / config.updates,
+        entropy=entropy,
+        clip_frac=clip_sum / config.updates,
+        peak_mem_mb=mem.peak_bytes / 2**20,
+        seconds=time.perf_counter() - t0,
+    )
+    return row, mem.note
 
 
 def show_samples(result: DemoResult, n: int = 4, seed: int = 12345) -> list[str]:
@@ -1035,6 +1053,48 @@ def _moving_mean(values: Sequence[float], k: int) -> list[float]:
 MODE_COLORS = {"logitless": "#1f5fb4", "naive": "#e6862e"}
 
 
+def _plot_mode(ax_r, ax_m, mode: str, runs: list[DemoResult]) -> None:
+    """One mode's curves of :func:`plot_demo`: its reward (a moving mean; with several seeds
+    their mean in a min-max band) and its peak step memory (the median over seeds)."""
+    color = MODE_COLORS.get(mode)
+    steps = [r.step for r in runs[0].rows[: min(len(r.rows) for r in runs)]]
+    n = len(steps)
+    k = runs[0].window()  # 10 steps, or half a shorter run: what the final reward averages
+    curves = [_moving_mean([r.reward for r in run.rows[:n]], k) for run in runs]
+    mems = [[r.peak_mem_mb for r in run.rows[:n]] for run in runs]
+    mean_final, std_final = _mean_std([run.reward_window(False) for run in runs])
+    if len(runs) == 1:
+        ax_r.plot(steps, [r.reward for r in runs[0].rows], color=color, alpha=0.25, lw=0.8)
+        label = f"{mode}: {k}-step moving mean (final {mean_final:.2f})"
+    else:
+        lo = [min(c[i] for c in curves) for i in range(n)]
+        hi = [max(c[i] for c in curves) for i in range(n)]
+        ax_r.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
+        label = (
+            f"{mode}: mean of {len(runs)} seeds, band min-max "
+            f"(final {mean_final:.2f} ± {std_final:.2f})"
+        )
+    ax_r.plot(
+        steps,
+        [sum(c[i] for c in curves) / len(curves) for i in range(n)],
+        color=color,
+        label=label,
+    )
+    median = [statistics.median(m[i] for m in mems) for i in range(n)]
+    if len(runs) > 1:
+        ax_m.fill_between(
+            steps,
+            [min(m[i] for m in mems) for i in range(n)],
+            [max(m[i] for m in mems) for i in range(n)],
+            color=color,
+            alpha=0.2,
+            lw=0,
+        )
+    ax_m.plot(
+        steps, median, color=color, label=f"{mode}: median {statistics.median(median):.0f} MB"
+    )
+
+
 def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
     """PNG of reward and peak step memory per step, one curve per mode.
 
@@ -1061,43 +1121,7 @@ def plot_demo(results: Sequence[DemoResult], path: Path | str) -> bool:
     for result in results:
         by_mode.setdefault(result.config.mode, []).append(result)
     for mode, runs in by_mode.items():
-        color = MODE_COLORS.get(mode)
-        steps = [r.step for r in runs[0].rows[: min(len(r.rows) for r in runs)]]
-        n = len(steps)
-        k = runs[0].window()  # 10 steps, or half a shorter run: what the final reward averages
-        curves = [_moving_mean([r.reward for r in run.rows[:n]], k) for run in runs]
-        mems = [[r.peak_mem_mb for r in run.rows[:n]] for run in runs]
-        mean_final, std_final = _mean_std([run.reward_window(False) for run in runs])
-        if len(runs) == 1:
-            ax_r.plot(steps, [r.reward for r in runs[0].rows], color=color, alpha=0.25, lw=0.8)
-            label = f"{mode}: {k}-step moving mean (final {mean_final:.2f})"
-        else:
-            lo = [min(c[i] for c in curves) for i in range(n)]
-            hi = [max(c[i] for c in curves) for i in range(n)]
-            ax_r.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
-            label = (
-                f"{mode}: mean of {len(runs)} seeds, band min-max "
-                f"(final {mean_final:.2f} ± {std_final:.2f})"
-            )
-        ax_r.plot(
-            steps,
-            [sum(c[i] for c in curves) / len(curves) for i in range(n)],
-            color=color,
-            label=label,
-        )
-        median = [statistics.median(m[i] for m in mems) for i in range(n)]
-        if len(runs) > 1:
-            ax_m.fill_between(
-                steps,
-                [min(m[i] for m in mems) for i in range(n)],
-                [max(m[i] for m in mems) for i in range(n)],
-                color=color,
-                alpha=0.2,
-                lw=0,
-            )
-        ax_m.plot(
-            steps, median, color=color, label=f"{mode}: median {statistics.median(median):.0f} MB"
-        )
+        _plot_mode(ax_r, ax_m, mode, runs)
     c = results[0].config if results else DemoConfig()
     seeds = sorted({r.config.seed for r in results})
     seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} seeds"

@@ -8,10 +8,12 @@ make and every configuration they can select for it, and checks that each can la
 
 - the launches come from the launchers themselves: :func:`record` runs the host code
   (``forward_rows`` / ``backward_rows`` of the log-prob op and of the divergence) on ``meta``
-  tensors inside :func:`~logitless.backends.triton_kernels.recording`, so the kernels, their
+  tensors inside :func:`~logitless.backends.triton_launch.recording`, so the kernels, their
   argument lists and constexprs are whatever the code passes today;
 - the configurations come from the launcher's rule,
-  :func:`~logitless.backends.triton_kernels.candidates`, given the target's shared memory;
+  :func:`~logitless.backends.triton_launch.candidates`, given the target's shared memory;
+- the kernels are those of every family in
+  :data:`~logitless.backends.triton_launch.FAMILIES`, registered by importing it;
 - the argument types and alignment come from Triton's own specialization of each argument
   (pointers assumed 16-byte aligned, as the caching allocator gives them).
 
@@ -108,6 +110,18 @@ class Job:
 # --------------------------------------------------------------------------------------------
 
 
+def _launcher():
+    """:mod:`.triton_launch` with every kernel family's kernels registered (each family
+    registers its kernels when it is imported)."""
+    import importlib
+
+    from . import triton_launch
+
+    for family in triton_launch.FAMILIES:
+        importlib.import_module(family)
+    return triton_launch
+
+
 def _head(setup: Setup, rows: int, hidden: int, variant: dict, entropy: bool):
     """A RowBatch and KernelOptions of meta tensors."""
     from ..transform import LogitTransform
@@ -135,9 +149,10 @@ def _head(setup: Setup, rows: int, hidden: int, variant: dict, entropy: bool):
 def _record_head(setup: Setup, rows: int, variant: dict, entropy: bool, grads: str, hidden: int):
     from . import triton_kernels as tk
     from .base import RowStats, Upstream
+    from .triton_launch import recording
 
     batch, opts = _head(setup, rows, hidden, variant, entropy)
-    with tk.recording() as launches:
+    with recording() as launches:
         tk.forward_rows(batch, opts)
         vec = torch.empty(rows, device="meta")
         stats = RowStats(vec, vec, vec if entropy else None)
@@ -149,9 +164,9 @@ def _record_head(setup: Setup, rows: int, variant: dict, entropy: bool, grads: s
 def _record_divergence(
     setup: Setup, rows: int, variant: dict, entropy: bool, mode: str, hidden: int
 ):
-    from ..ops.divergence import triton_kernels as dk
-    from ..ops.divergence.tiles import DivOptions, DivRows, DivStats, DivUpstream
-    from . import triton_kernels as tk
+    from . import triton_divergence as dk
+    from .base import DivOptions, DivRows, DivStats, DivUpstream
+    from .triton_launch import recording
 
     student, s_opts = _head(setup, rows, hidden, variant, entropy)
     teacher, t_opts = _head(setup, rows, _TEACHER_HIDDEN + hidden % 16, variant, False)
@@ -159,7 +174,7 @@ def _record_divergence(
     beta = {"forward": 0.0, "reverse": 1.0, "jsd": 0.5}[mode]
     div_rows = DivRows(student, teacher, None)
     opts = DivOptions(s_opts, t_opts, mode, beta)
-    with tk.recording() as launches:
+    with recording() as launches:
         dk.forward_rows(div_rows, opts)
         vec = torch.empty(rows, device="meta")
         fields = dict.fromkeys(DivStats._fields, vec) | {"entropy": vec if entropy else None}
@@ -222,17 +237,17 @@ def jobs(target: str, recorded=None) -> list[Job]:
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import native_specialize_impl
 
-    from . import triton_kernels as tk
+    tk = _launcher()
 
     limit = TARGETS[target][1]
     seen: dict[tuple, Job] = {}
     for setup, variant, launches in recorded if recorded is not None else scenarios():
         for name, elems, args, kwargs in launches:
-            kernel = tk._KERNELS[name]
+            kernel = tk.KERNELS[name]
             heur = getattr(kernel.plain, "values", {})
             fn = getattr(kernel.plain, "fn", kernel.plain)
             bound = _bind(fn, args, kwargs)
-            path = "small" if elems < tk._TUNE_MIN_ELEMS else "tuned"
+            path = "small" if elems < tk.TUNE_MIN_ELEMS else "tuned"
             configs = tk.candidates(name, elems, bound, limit)
             if path == "tuned":  # and the batch-invariant mode's one configuration
                 pinned = tk.candidates(name, elems, bound, limit, pinned=True)
@@ -288,9 +303,7 @@ def _constexpr_value(value):
 def _source(job: Job):
     from triton.compiler import ASTSource
 
-    from . import triton_kernels as tk
-
-    plain = tk._KERNELS[job.kernel].plain
+    plain = _launcher().KERNELS[job.kernel].plain
     fn = getattr(plain, "fn", plain)
     names = fn.arg_names
     return ASTSource(
@@ -308,10 +321,7 @@ def _kernel_source(kernel: str) -> str:
     recompile it)."""
     import triton
 
-    from ..ops.divergence import triton_kernels as _registers_its_kernels  # noqa: F401
-    from . import triton_kernels as tk
-
-    plain = tk._KERNELS[kernel].plain
+    plain = _launcher().KERNELS[kernel].plain
     todo, seen, parts = [getattr(plain, "fn", plain)], set(), []
     while todo:
         fn = todo.pop()
@@ -466,14 +476,14 @@ def table(results, setups=None) -> str:
 
 def _as_json(results) -> dict:
     """The results and each kernel's autotune key, as plain data."""
-    from . import triton_kernels as tk
+    tk = _launcher()
 
     rows = [
         {"kernel": j.kernel, "setup": j.setup, "variant": j.variant, "path": j.path,
          "config": j.config, "target": t, "headline": j.headline, **r}
         for j, t, r in results
     ]  # fmt: skip
-    keys = {name: list(k.tuned.keys) for name, k in tk._KERNELS.items()}
+    keys = {name: list(k.tuned.keys) for name, k in tk.KERNELS.items()}
     return {"results": rows, "keys": keys, "failures": failures(results)}
 
 

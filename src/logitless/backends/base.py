@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ..contract.divergence import TopKRows
 from ..contract.options import WeightGradInto
 from ..contract.vocab import VocabParallel
 from ..transform import LogitTransform, compute_dtype
@@ -315,6 +316,11 @@ class RowStats(NamedTuple):
     entropy: torch.Tensor | None
     kept: torch.Tensor | None = None
 
+    def padded(self, pad: int) -> RowStats:
+        """The statistics backward reads (lse, entropy) followed by ``pad`` copies of the
+        first row's (see :func:`padded_backward`)."""
+        return self._replace(lse=extend_rows(self.lse, pad), entropy=extend_rows(self.entropy, pad))
+
 
 class Upstream(NamedTuple):
     """The upstream gradients of a backward: d loss / d logp and d loss / d entropy, each
@@ -334,6 +340,20 @@ GradFn = Callable[
 Needs = tuple[bool, bool, bool]
 #: (d hidden [M, H], d weight [V, H], d bias [V]), each None when not needed, in their dtypes.
 HeadGrads = tuple["torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def padded_backward(backward: Callable, rows, stats, up, opts, needs: Needs, pad: int) -> HeadGrads:
+    """``backward(rows, stats, up, opts, needs)`` of any backend or op on ``rows`` followed by
+    ``pad`` filler rows (the batch-invariant schedule's whole row blocks): the fillers repeat
+    the first row's statistics and get a zero upstream gradient, so their logit gradient is
+    exactly 0 (they add nothing to dW / db) and their hidden gradient is dropped. ``rows`` and
+    ``stats`` have ``padded(pad)``; ``up`` is a tuple of ``[M]`` tensors or None. ``pad`` 0:
+    ``backward`` on the rows as they are."""
+    if pad == 0:
+        return backward(rows, stats, up, opts, needs)
+    up = type(up)(*(extend_rows(u, pad, 0.0) for u in up))
+    dh, dw, db = backward(rows.padded(pad), stats.padded(pad), up, opts, needs)
+    return (None if dh is None else dh[: dh.shape[0] - pad]), dw, db
 
 
 class KernelBackend(Protocol):
@@ -411,3 +431,72 @@ def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# The divergence's rows (its torch tiles, ``ops/divergence/tiles.py``, and its Triton kernels,
+# ``triton_divergence.py``, both implement them)
+# --------------------------------------------------------------------------------------------
+
+
+class DivRows(NamedTuple):
+    """The valid rows of a divergence call: the student's :class:`RowBatch` (labels
+    shard-local under vocab parallelism), the teacher's (its hidden ``[M, H_t]``, weight,
+    bias; None with a sparse teacher) and the sparse teacher's rows (ids shard-local)."""
+
+    student: RowBatch
+    teacher: RowBatch | None
+    topk: TopKRows | None
+
+    def padded(self, pad: int) -> DivRows:
+        """These rows followed by ``pad`` copies of the first (the batch-invariant schedule's
+        filler, see :meth:`RowBatch.padded`)."""
+        t, topk = self.teacher, self.topk
+        return DivRows(
+            self.student.padded(pad),
+            None if t is None else t.padded(pad),
+            None if topk is None else TopKRows(*(extend_rows(x, pad) for x in topk)),
+        )
+
+
+@dataclass(frozen=True)
+class DivOptions:
+    """The kernels' options: the student's (schedule, transform, entropy, vocab parallel), the
+    teacher's transform and head dtype (same schedule), the mode and beta."""
+
+    student: KernelOptions
+    teacher: KernelOptions | None
+    mode: str
+    beta: float
+
+
+class DivStats(NamedTuple):
+    """Forward results per row ``[M]`` (compute dtype): divergence, log-prob, entropy (or
+    None); each head's log-sum-exp as its two parts, the max ``m`` and ``log Σ exp(z - m)``
+    (``log p = (z - m) - log Σ``: rounding ``m + log Σ`` first would cost the likely tokens'
+    log-probs ~6x their accuracy); ``aux``: KL(p_s‖p_t) (reverse), KL(p_s‖m) (JSD), the same
+    over the top-k buckets (a sparse teacher, beta > 0), else None; ``tail``: the log of the
+    student's mass outside the sparse teacher's ids (None with a dense teacher)."""
+
+    divergence: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    max: torch.Tensor
+    log_sum: torch.Tensor
+    teacher_max: torch.Tensor | None
+    teacher_log_sum: torch.Tensor | None
+    aux: torch.Tensor | None
+    tail: torch.Tensor | None
+
+    def padded(self, pad: int) -> DivStats:
+        """Every field followed by ``pad`` copies of its first row (see
+        :func:`padded_backward`)."""
+        return DivStats(*(extend_rows(x, pad) for x in self))
+
+
+class DivUpstream(NamedTuple):
+    """Upstream gradients ``[M]`` of the divergence, the log-prob and the entropy (None: unused)."""
+
+    divergence: torch.Tensor | None
+    logp: torch.Tensor | None
+    entropy: torch.Tensor | None

@@ -36,6 +36,7 @@ from .base import (
     add_product,
     extend_rows,
     finish_stats,
+    padded_backward,
 )
 
 
@@ -333,14 +334,7 @@ def backward_rows(
     """
     num_rows = rows.hidden.shape[0]
     pad = opts.schedule.padding(num_rows)
-    if pad == 0:
-        return _backward_rows(rows, stats, up, opts, needs)
-    # The filler rows repeat the first row's statistics and get a zero upstream gradient: their
-    # dz is exactly 0, so they add nothing to dW / db, and their dh is dropped.
-    stats = stats._replace(lse=extend_rows(stats.lse, pad), entropy=extend_rows(stats.entropy, pad))
-    up = Upstream(*(extend_rows(u, pad, 0.0) for u in up))
-    dh, dw, db = _backward_rows(rows.padded(pad), stats, up, opts, needs)
-    return (None if dh is None else dh[:num_rows]), dw, db
+    return padded_backward(_backward_rows, rows, stats, up, opts, needs, pad)
 
 
 def _backward_rows(

@@ -27,18 +27,11 @@ passes; ``dW`` then accumulates in fp32, as the torch tiles do.
 The gradient-in-forward path of the fused loss (:func:`fused_rows`) is the same two kernels:
 the statistics, then the loss gradient of every row at once, then the backward pass.
 
-Interpreter. With ``TRITON_INTERPRET=1`` (read by Triton when this module is imported) the
-kernels run on CPU tensors. Its ``tl.dot`` is wrong on bf16 tiles, so 16-bit tiles are upcast
-to fp32 there (the products of 16-bit numbers are exact in fp32: only the summation order can
-differ from the GPU); it runs one fixed small configuration instead of autotuning.
+The tile code both kernels share with the divergence's, the configuration tables, the launcher
+and the head gradients live in :mod:`.triton_launch` (with what the interpreter changes).
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
-import os
-from collections.abc import Callable
 
 import torch
 import triton
@@ -52,164 +45,50 @@ from .base import (
     RowBatch,
     RowStats,
     Upstream,
-    add_product,
-    extend_rows,
     finish_stats,
+    padded_backward,
 )
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# Backward workspace: [rows, vc] in the compute dtype, at most this many bytes, but never fewer
-# than _MIN_VOCAB_CHUNK columns (each chunk re-reads and re-writes the fp32 hidden gradient,
-# so narrow chunks cost bandwidth; with many rows the workspace grows with them instead).
-_WORKSPACE_BYTES = 128 << 20
-_MIN_VOCAB_CHUNK = 2048
-_CHUNK_ALIGN = 256
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from .triton_launch import (
+    KernelHead,
+    chunk_program,
+    head_grads,
+    launch,
+    logits_tile,
+    online_step,
+    register,
+    row_factor,
+    row_inv_temperature,
+    row_passes,
+    split_program,
+    store_dz,
+    vocab_splits,
+)
 
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _grouped(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Program id -> (row block, column block), GROUP_M row blocks at a time so that programs
-    running together share their hidden and weight tiles in L2."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    local = pid % in_group
-    return first_m + local % size_m, local // size_m
-
-
-@triton.jit
-def _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE: tl.constexpr):
-    """[BLOCK_M] 1/T: TEMP_MODE 0 -> 1, 1 -> the scalar ``inv_temp``, 2 -> per row from t_ptr."""
-    if TEMP_MODE == 2:
-        return 1.0 / tl.load(t_ptr + rows)
-    else:
-        return tl.zeros(rows.shape, tl.float32) + inv_temp
-
-
-@triton.jit
-def _logits_tile(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    rows,
-    cols,
-    inv_t,
-    K,
-    stride_h,
-    stride_w,
-    scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TEMP_MODE: tl.constexpr,
-    HEAD_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Transformed logits ``z = softcap(s·(h·wᵀ + b)) / T`` of one [BLOCK_M, BLOCK_N] tile,
-    fp32, and ``tanh(s·x / softcap)`` (for the backward's softcap derivative; ``z`` without
-    softcap).
-
-    ``rows`` / ``cols`` are in-range ids (the caller masks the tails), so loads need no mask
-    along M or V; K is masked unless it is a multiple of BLOCK_K.
-    """
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
-    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        # Round to the head dtype first (as ``.to(head_dtype)`` would), then to the dot dtype
-        # (only the interpreter upcasts 16-bit tiles; exact).
-        a = a.to(HEAD_DTYPE).to(DOT_DTYPE)
-        b = b.to(HEAD_DTYPE).to(DOT_DTYPE)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    x = acc
-    if HAS_BIAS:
-        x += tl.load(b_ptr + cols).to(HEAD_DTYPE).to(tl.float32)[None, :]
-    if HAS_SCALE:
-        x = x * scale
-    th = x
-    if HAS_SOFTCAP:
-        # tanh(u) = 2·sigmoid(2u) - 1 (libdevice's tanh is missing in the interpreter)
-        th = 2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0
-        x = softcap * th
-    if TEMP_MODE != 0:
-        x = x * inv_t[:, None]
-    return x, th
-
-
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _stats_kernel(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    t_ptr,
-    stats_ptr,
-    M,
-    V,
-    K,
-    stride_h,
-    stride_w,
-    num_splits,
-    inv_temp,
-    scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TEMP_MODE: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr,
-    HEAD_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, stats_ptr,
+    M, V, K, stride_h, stride_w, num_splits, inv_temp, scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    TEMP_MODE: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    HEAD_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """Online (m, s, q, z_y) of one row block over one vocabulary split -> stats[:, split, rows].
 
     stats: [4, num_splits, M] fp32. A split with no vocab block (possible when the blocks do not
     divide evenly) writes m = -inf, s = q = z_y = 0, which :func:`_merge_splits` ignores.
     """
-    pid_m, pid_s = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_splits, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    rows = offs_m % M
+    pid_s, offs_m, row_ok, rows, first, last = split_program(
+        M, V, num_splits, BLOCK_M, BLOCK_N, GROUP_M
+    )
     y = tl.load(y_ptr + rows)
-    inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
-
-    n_blocks = tl.cdiv(V, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, num_splits)
-    first = pid_s * per_split
-    last = tl.minimum(first + per_split, n_blocks)
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_i = tl.zeros((BLOCK_M,), tl.float32)
     q_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -217,7 +96,7 @@ def _stats_kernel(
     for nb in range(first, last):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        z, _ = _logits_tile(
+        z, _ = logits_tile(
             h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, scale, softcap,
             HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
             BLOCK_M, BLOCK_N, BLOCK_K,
@@ -226,12 +105,8 @@ def _stats_kernel(
         # (a shard-local label of another rank's shard may equal a tail column: mask it)
         is_label = (offs_n[None, :] == y[:, None]) & col_ok[None, :]
         zy += tl.sum(tl.where(is_label, z, 0.0), axis=1)
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        d = z - m_new[:, None]  # <= 0
-        e = tl.exp(d)
-        alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
+        m_new, shift, d, e, alpha = online_step(m_i, z)  # d = z - m_new <= 0
         if WITH_ENTROPY:
-            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_new)
             ed = tl.where(e > 0.0, e * d, 0.0)  # 0·(-inf) would be NaN for a -inf logit
             q_i = alpha * (q_i + shift * s_i) + tl.sum(ed, axis=1)
         s_i = alpha * s_i + tl.sum(e, axis=1)
@@ -248,64 +123,28 @@ def _stats_kernel(
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _dz_kernel(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    t_ptr,
-    lse_ptr,
-    ent_ptr,
-    g_ptr,
-    e_ptr,
-    dz_ptr,
-    M,
-    V,
-    K,
-    stride_h,
-    stride_w,
-    v_start,
-    width,
-    inv_temp,
-    scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TEMP_MODE: tl.constexpr,
-    HAS_G: tl.constexpr,
-    HAS_E: tl.constexpr,
-    HEAD_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_ptr,
+    M, V, K, stride_h, stride_w, v_start, width, inv_temp, scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    TEMP_MODE: tl.constexpr, HAS_G: tl.constexpr, HAS_E: tl.constexpr,
+    HEAD_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """d loss / d raw logits of rows [0, M) and columns [v_start, v_start + width) -> dz.
 
     dz: [M, width] contiguous, in the compute dtype; lse, ent, g, e: [M] fp32.
     """
-    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(width, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside the chunk
-    row_ok = offs_m < M
-    col_ok = offs_c < width
-    rows = offs_m % M
-    offs_n = v_start + offs_c
-    inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
-    z, th = _logits_tile(
+    offs_m, offs_c, row_ok, col_ok, rows = chunk_program(M, width, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_n = v_start + offs_c  # offs_c: the column inside the chunk
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    z, th = logits_tile(
         h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, scale, softcap,
         HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
         BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     logp = z - tl.load(lse_ptr + rows)[:, None]
     p = tl.exp(logp)
-    if HAS_SCALE:  # dz/dx's per-row part: s / T
-        factor = inv_t * scale
-    else:
-        factor = inv_t
+    factor = row_factor(inv_t, scale, HAS_SCALE)  # dz/dx's per-row part: s / T
     if HAS_G:
         g_t = tl.load(g_ptr + rows) * factor  # g · s / T
     else:
@@ -320,300 +159,16 @@ def _dz_kernel(
     dz = tl.where(offs_n[None, :] == y[:, None], dz + g_t[:, None], dz)
     if HAS_SOFTCAP:
         dz = dz * (1.0 - th * th)
-    out = dz_ptr + offs_m.to(tl.int64)[:, None] * width + offs_c[None, :]
-    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-# --------------------------------------------------------------------------------------------
-# Configurations: which tile configuration a launch can run
-# --------------------------------------------------------------------------------------------
-#
-# One rule, :func:`candidates`, says which configurations a launch can run; the launcher and the
-# ahead-of-time compile check (:mod:`logitless.backends.aot`) both call it:
-#   - the interpreter: ``_INTERPRETER`` (few, wide programs: Python runs each one);
-#   - calls with fewer than ``_TUNE_MIN_ELEMS`` logits: the table's "small", one configuration
-#     (autotuning costs a few seconds per new kernel specialization; it pays off only where the
-#     kernels take milliseconds);
-#   - larger calls: the kernel's table (``_TABLES``), the dot kind's list, pruned to the
-#     configurations whose pipelined operand tiles fit the device's shared memory at the real
-#     operand size (a 4-byte operand, fp32 weights even under a 16-bit head, takes twice a 2-byte
-#     one's bytes); the autotuner times what is left once per key (every constexpr the launcher
-#     passes: dtypes, transform flags, outputs, plus the hidden widths).
-#   - the batch-invariant mode (``pinned``): the table's "invariant" entry for the dot kind, one
-#     configuration whatever the call (an autotuner's pick can differ from process to process,
-#     and the small / tuned choice follows the call's size).
-
-
-def _config(bm, bn, bk, warps, stages, group_m=8):
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
-        num_warps=warps,
-        num_stages=stages,
-    )
-
-
-# One table per kind of kernel: "small", the fixed configuration of small calls, and per dot
-# kind the autotuned lists: "tc" (tensor cores: 16-bit operands, TF32, 16-bit products under an
-# fp32 head) and "fma" (IEEE fp32). Every entry compiles for sm_80, sm_90 and sm_100 within the
-# target's shared memory and registers, and none spills on the headline problem (bf16, H = 3584,
-# V = 152064, every transform flag): ``python -m logitless.backends.aot --report`` prints them
-# and tests/test_triton_compile.py checks it. The widest tiles of an H100 sweep (128x256x64 and
-# 256x128x64, 8 warps: 10-15% faster than 128x128 without softcap) spill 400-2600 bytes with the
-# transform in the epilogue, and 16 warps cap the registers at 128 and spill too: they are out.
-_HEAD_TABLE = {
-    "small": _config(64, 64, 32, 4, 2),
-    # batch invariance: one configuration per dot kind, from the lists below
-    "invariant": {"tc": _config(128, 128, 32, 8, 3), "fma": _config(128, 128, 16, 8, 2)},
-    "tc": [
-        _config(128, 128, 64, 8, 3),
-        _config(128, 128, 64, 8, 4),
-        _config(64, 256, 64, 8, 3),
-        _config(128, 128, 32, 8, 3),  # fits 4-byte operands (fp32 weights) on every target
-    ],
-    "fma": [
-        _config(128, 128, 16, 8, 2),
-        _config(64, 64, 32, 4, 3),
-    ],
-}
-# The divergence's kernels hold two GEMMs (student and teacher) per program: twice the
-# accumulators of the head's kernels at one tile size (the operand tiles' shared memory is
-# reused: the two GEMM loops run one after the other).
-_DIVERGENCE_TABLE = {
-    "small": _config(64, 64, 32, 8, 3),  # s2 spills 24 B on sm_100 (div_stats, scalar T)
-    "invariant": {"tc": _config(64, 128, 32, 8, 4), "fma": _config(64, 64, 32, 8, 2)},
-    "tc": [
-        _config(64, 128, 64, 8, 3),
-        _config(64, 128, 32, 8, 4),
-        _config(64, 64, 64, 8, 3),
-    ],
-    "fma": [
-        _config(64, 64, 32, 8, 2),
-        _config(64, 128, 16, 8, 2),
-    ],
-}
-_TABLES = {"head": _HEAD_TABLE, "divergence": _DIVERGENCE_TABLE}
-_INTERPRETER = _config(16, 128, 32, 1, 1, group_m=4)
-# Shared memory beyond the operand tiles: barriers (16 B on sm_100), reduction scratch.
-_SHARED_SLACK = 1024
-_TUNE_MIN_ELEMS = 1 << 26
-_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
-
-
-def _dot_kind(kernel: _Kernel, args: dict) -> str:
-    return "fma" if any(args[f] for f in kernel.ieee) else "tc"
-
-
-def _operand_bytes(kernel: _Kernel, args: dict) -> int:
-    """Bytes of the widest GEMM operand as loaded (tiles sit in shared memory before any cast)."""
-    return max(args[name].element_size() for name in kernel.operands)
-
-
-def shared_bytes(config: triton.Config, operand_bytes: int) -> int:
-    """Shared memory the pipelined operand tiles of ``config`` ask for: ``num_stages`` buffers of
-    one ``[BLOCK_M, BLOCK_K]`` and one ``[BLOCK_K, BLOCK_N]`` tile (a kernel with two GEMMs runs
-    them one after the other in the same buffers)."""
-    k = config.kwargs
-    tiles = config.num_stages * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * operand_bytes
-    return tiles + _SHARED_SLACK
-
-
-def tuned_configs(name: str, args: dict, shared_limit: int) -> list[triton.Config]:
-    """The autotuned configurations a launch of kernel ``name`` with arguments ``args`` (by name,
-    constexprs included) can run on a device with ``shared_limit`` bytes of shared memory per
-    block; never empty (the table's small configuration fits every device)."""
-    kernel = _KERNELS[name]
-    size = _operand_bytes(kernel, args)
-    table = _TABLES[kernel.table]
-    keep = [c for c in table[_dot_kind(kernel, args)] if shared_bytes(c, size) <= shared_limit]
-    return keep or [table["small"]]
-
-
-def candidates(
-    name: str, elems: int, args: dict, shared_limit: int, pinned: bool = False
-) -> list[triton.Config]:
-    """Every configuration a launch of kernel ``name`` over ``elems`` logits can run (module
-    comment above); ``args`` by name, ``shared_limit``: the device's bytes per block;
-    ``pinned``: the batch-invariant mode."""
-    if _INTERPRET:
-        return [_INTERPRETER]
-    if pinned:
-        return [pinned_config(name, args)]
-    if elems < _TUNE_MIN_ELEMS:
-        return [_TABLES[_KERNELS[name].table]["small"]]
-    return tuned_configs(name, args, shared_limit)
-
-
-def pinned_config(name: str, args: dict) -> triton.Config:
-    """The batch-invariant mode's one configuration of kernel ``name`` (by its dot kind)."""
-    kernel = _KERNELS[name]
-    return _TABLES[kernel.table]["invariant"][_dot_kind(kernel, args)]
-
-
-@functools.cache
-def _shared_limit(device_index: int) -> int:
-    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return props["max_shared_mem"]
-
-
-class _Kernel:
-    """A kernel as the launcher runs it: ``plain`` (one configuration given at launch),
-    ``tuned`` (autotuned over its table), the names of its GEMM operands (hidden, weight per
-    head) and of its IEEE flags."""
-
-    def __init__(self, name, fn, operands, ieee, dims, table="head") -> None:
-        self.plain, self.operands, self.ieee, self.table = fn, operands, ieee, table
-        self.tuned = fn
-        if not _INTERPRET:
-            inner = getattr(fn, "fn", fn)  # under @triton.heuristics
-            heur = set(getattr(fn, "values", {}))
-            params = [p.name for p in inner.params if p.is_constexpr]
-            key = [*dims, *(p for p in params if p not in heur and p not in _CONFIG_KEYS)]
-            prune = functools.partial(_prune, name)
-            self.tuned = triton.autotune(
-                configs=[c for kind in ("tc", "fma") for c in _TABLES[table][kind]],
-                key=key,
-                prune_configs_by={"early_config_prune": prune},
-            )(fn)
-
-
-def _prune(name, configs, named_args, **kwargs):
-    args = {**named_args, **kwargs}
-    device = args[_KERNELS[name].operands[0]].device
-    return tuned_configs(name, args, _shared_limit(device.index))
-
-
-_KERNELS: dict[str, _Kernel] = {}
-
-
-def register(name: str, fn, operands: tuple[str, ...], ieee: tuple[str, ...], dims, table="head"):
-    """Make kernel ``fn`` launchable by :func:`_launch` under ``name``: its GEMM operands'
-    argument names (hidden, weight per head), its IEEE flags, its hidden widths (autotune key)
-    and its configuration table."""
-    _KERNELS[name] = _Kernel(name, fn, tuple(operands), tuple(ieee), list(dims), table)
+    store_dz(dz_ptr, dz, offs_m, offs_c, row_ok, col_ok, width)
 
 
 register("stats", _stats_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
 register("dz", _dz_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
 
-# The ahead-of-time check's hook: a list while :func:`recording` runs (launches are recorded,
-# not run).
-_RECORDED: list | None = None
-
-
-@contextlib.contextmanager
-def recording():
-    """Within the block, kernel launches are not run but recorded as ``(name, elems, args,
-    kwargs)`` into the yielded list (:mod:`logitless.backends.aot` reads the launchers' own
-    arguments this way; any tensors, meta tensors too)."""
-    global _RECORDED
-    previous, _RECORDED = _RECORDED, []
-    try:
-        yield _RECORDED
-    finally:
-        _RECORDED = previous
-
-
-def _launch(name: str, elems: int, grid_of, *args, pinned: bool = False, **kwargs) -> None:
-    """Launch kernel ``name`` over ``elems`` logits on the tensors' device, in one of the
-    configurations :func:`candidates` allows (autotuned among them when there are several);
-    ``pinned``: the batch-invariant mode's one configuration."""
-    kernel = _KERNELS[name]
-    if _RECORDED is not None:
-        _RECORDED.append((name, elems, args, kwargs))
-        return
-    if _INTERPRET:
-        meta = _INTERPRETER.kwargs
-        kernel.plain[(grid_of(meta),)](*args, **kwargs, **meta)
-        return
-    with torch.cuda.device(args[0].device):
-        if pinned or elems < _TUNE_MIN_ELEMS:
-            one = pinned_config(name, kwargs) if pinned else _TABLES[kernel.table]["small"]
-            launch = {"num_warps": one.num_warps, "num_stages": one.num_stages}
-            kernel.plain[(grid_of(one.kwargs),)](*args, **kwargs, **one.kwargs, **launch)
-        else:
-            kernel.tuned[lambda meta: (grid_of(meta),)](*args, **kwargs)
-
 
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
-
-
-class _Call:
-    """What every launch of one call shares: tensors made kernel-ready and the constexprs."""
-
-    def __init__(self, rows: RowBatch, opts: KernelOptions) -> None:
-        hidden, weight, bias, labels, temp = rows
-        self.pinned = opts.schedule.padded  # the batch-invariant mode: one configuration
-        self.hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-        self.weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-        self.bias = None if bias is None else bias.contiguous()
-        self.labels = labels.contiguous()
-        self.temp = None if temp is None else temp.float().contiguous()
-        hd = opts.head_dtype
-        if hd not in _TL_DTYPES:
-            raise ValueError(f"backend='triton' runs fp32, bf16 or fp16 heads, got {hd}")
-        # fp32 follows torch's matmul precision ("highest": IEEE, else TF32); the interpreter
-        # always multiplies in IEEE fp32. 16-bit inputs under an fp32 head: their products are
-        # exact in fp32, so the tensor cores multiply them as they are, accumulating in fp32.
-        exact16 = hd == torch.float32 and _exact_16bit(self.hidden.dtype, self.weight.dtype)
-        dot = _TL_DTYPES[self.hidden.dtype if exact16 else hd]
-        ieee = _INTERPRET or (
-            hd == torch.float32
-            and not exact16
-            and torch.get_float32_matmul_precision() == "highest"
-        )
-        transform = opts.transform
-        scalar_t = transform.temperature if transform.temperature is not None else 1.0
-        self.inv_temp = 1.0 / scalar_t
-        self.scale = 1.0 if transform.scale is None else float(transform.scale)
-        self.softcap = 1.0 if transform.softcap is None else float(transform.softcap)
-        self.meta = {
-            "HAS_BIAS": bias is not None,
-            "HAS_SCALE": transform.scale is not None,
-            "HAS_SOFTCAP": transform.softcap is not None,
-            "TEMP_MODE": 2 if temp is not None else (1 if scalar_t != 1.0 else 0),
-            "HEAD_DTYPE": _TL_DTYPES[hd],
-            # The interpreter's dot is wrong on 16-bit tiles: upcast them there (exact).
-            "DOT_DTYPE": tl.float32 if _INTERPRET else dot,
-            "IEEE": ieee,
-        }
-
-    def tensors(self, r0: int, r1: int):
-        """(hidden, weight, bias, labels, temperature) of rows [r0, r1), with placeholders for
-        the absent optional tensors (never read: their constexpr flag is off)."""
-        h = self.hidden[r0:r1]
-        return (
-            h,
-            self.weight,
-            self.bias if self.bias is not None else h,
-            self.labels[r0:r1],
-            self.temp[r0:r1] if self.temp is not None else h,
-        )
-
-
-def _exact_16bit(hidden: torch.dtype, weight: torch.dtype) -> bool:
-    """Whether products of ``hidden`` and ``weight`` values are exact in 16-bit tensor-core
-    dots under an fp32 head: both in one 16-bit dtype (their products fit fp32's mantissa)."""
-    return hidden == weight and hidden in (torch.bfloat16, torch.float16)
-
-
-def _num_splits(rows: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary splits of the forward kernel: at least two waves of programs on the GPU, and
-    a program count close to a multiple of the multiprocessors (a last, partly idle wave
-    costs up to one program's time)."""
-    if device.type != "cuda":
-        return 3  # the interpreter: several splits, so the tests cover the merge
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    row_blocks = -(-rows // 128)
-    most = max(1, min(64, -(-vocab // 256)))
-    least = min(most, max(1, -(-2 * sms // row_blocks)))
-
-    def efficiency(splits: int) -> float:
-        programs = row_blocks * splits
-        return programs / (-(-programs // sms) * sms) - 1e-3 * splits
-
-    return max(range(least, most + 1), key=efficiency)
 
 
 def _merge_splits(
@@ -630,38 +185,18 @@ def _merge_splits(
     return m_all, s_all, q_all, zy.sum(0)
 
 
-def _row_passes(num_rows: int, opts: KernelOptions) -> list[tuple[int, int]]:
-    """Rows per launch: the caller's ``chunk_size`` (None: every row); in the batch-invariant
-    mode the schedule's fixed block (the rows padded to a multiple of it), so the splits, the
-    backward's vocabulary chunk and cuBLAS's ``M`` never follow the call."""
-    step = opts.schedule.rows if opts.schedule.padded else opts.chunk_size or max(num_rows, 1)
-    return [(r, min(r + step, num_rows)) for r in range(0, num_rows, step)]
-
-
-def _stats_pass(call: _Call, r0: int, r1: int, opts: KernelOptions):
+def _stats_pass(call: KernelHead, r0: int, r1: int, opts: KernelOptions):
     """logp, lse, entropy (or None) of rows [r0, r1): one kernel launch and the merge."""
-    rows, vocab, dim = r1 - r0, call.weight.shape[0], call.weight.shape[1]
-    splits = _num_splits(rows, vocab, call.hidden.device)
+    rows, vocab = r1 - r0, call.weight.shape[0]
+    splits = vocab_splits(rows, vocab, call.hidden.device)
     stats = torch.empty(4, splits, rows, device=call.hidden.device)
-    _launch(
+    launch(
         "stats",
         rows * vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
-        *call.tensors(r0, r1),
-        stats,
-        rows,
-        vocab,
-        dim,
-        call.hidden.stride(0),
-        call.weight.stride(0),
-        splits,
-        call.inv_temp,
-        call.scale,
-        call.softcap,
-        pinned=call.pinned,
-        WITH_ENTROPY=opts.with_entropy,
-        **call.meta,
-    )
+        *call.tensors(r0, r1), stats, rows, *call.sizes(), splits, *call.scalars(),
+        pinned=call.pinned, WITH_ENTROPY=opts.with_entropy, **call.meta,
+    )  # fmt: skip
     m, s, q, zy = _merge_splits(stats)
     return finish_stats(m, s, q if opts.with_entropy else None, zy, opts.vocab_parallel)
 
@@ -684,8 +219,8 @@ def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -
     logp = torch.empty(num_rows, device=dev)
     lse = torch.empty(num_rows, device=dev)
     ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
-    call = _Call(rows, opts)
-    for r0, r1 in _row_passes(num_rows, opts):
+    call = KernelHead(rows, opts)
+    for r0, r1 in row_passes(num_rows, opts):
         lp, ls, en = _stats_pass(call, r0, r1, opts)
         logp[r0:r1], lse[r0:r1] = lp, ls
         if ent is not None:
@@ -693,51 +228,26 @@ def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -
     return RowStats(logp, lse, ent)
 
 
-def _vocab_chunk(rows: int, vocab: int, itemsize: int) -> int:
-    """Columns per backward chunk: the workspace budget, at least _MIN_VOCAB_CHUNK, aligned."""
-    cols = _WORKSPACE_BYTES // max(1, rows * itemsize)
-    cols = max(_MIN_VOCAB_CHUNK, cols // _CHUNK_ALIGN * _CHUNK_ALIGN)
-    return min(vocab, cols)
-
-
-def _dz_chunk(call: _Call, r0: int, r1: int, v0: int, dz, lse, ent, g, e) -> None:
+def _dz_chunk(call: KernelHead, r0: int, r1: int, v0: int, dz, lse, ent, g, e) -> None:
     """Write d loss / d raw logits of rows [r0, r1) and columns [v0, v0 + width) into ``dz``
     [rows, width] (one launch). lse, g: [M] fp32 (g None: no log-prob gradient); ent / e:
     [M] fp32 or None (no entropy gradient)."""
     rows, width = dz.shape
-    vocab, dim = call.weight.shape
     placeholder = lse  # any fp32 tensor; never read when its flag is off
     use_e = ent is not None
-    _launch(
-        "dz",
-        rows * width,
-        lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
-        *call.tensors(r0, r1),
+    per_row = (
         lse[r0:r1],
         ent[r0:r1] if use_e else placeholder,
         g[r0:r1] if g is not None else placeholder,
         e[r0:r1] if use_e else placeholder,
-        dz,
-        rows,
-        vocab,
-        dim,
-        call.hidden.stride(0),
-        call.weight.stride(0),
-        v0,
-        width,
-        call.inv_temp,
-        call.scale,
-        call.softcap,
-        HAS_G=g is not None,
-        HAS_E=use_e,
-        pinned=call.pinned,
-        **call.meta,
     )
-
-
-#: ``(r0, r1, v0, dz)``: write d loss / d raw logits of rows ``[r0, r1)`` and columns
-#: ``[v0, v0 + width)`` into the workspace ``dz`` ``[r1 - r0, width]`` (one kernel launch).
-DzWriter = Callable[[int, int, int, torch.Tensor], None]
+    launch(
+        "dz",
+        rows * width,
+        lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
+        *call.tensors(r0, r1), *per_row, dz, rows, *call.sizes(), v0, width, *call.scalars(),
+        HAS_G=g is not None, HAS_E=use_e, pinned=call.pinned, **call.meta,
+    )  # fmt: skip
 
 
 def backward_rows(
@@ -750,16 +260,11 @@ def backward_rows(
     """
     num_rows = rows.hidden.shape[0]
     pad = opts.schedule.padding(num_rows)
-    if pad:  # the filler rows: the first row's statistics, a zero upstream gradient (dz = 0)
-        stats = stats._replace(
-            lse=extend_rows(stats.lse, pad), entropy=extend_rows(stats.entropy, pad)
-        )
-        up = Upstream(*(extend_rows(u, pad, 0.0) for u in up))
-        dh, dw, db = backward_rows(rows.padded(pad), stats, up, opts, needs)
-        return (None if dh is None else dh[:num_rows]), dw, db
+    if pad:
+        return padded_backward(backward_rows, rows, stats, up, opts, needs, pad)
     grad_logp, grad_ent = up
     use_e = opts.with_entropy and grad_ent is not None
-    call = _Call(rows, opts)
+    call = KernelHead(rows, opts)
     f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
     lse, ent, g_all, e_all = f32(stats.lse), f32(stats.entropy), f32(grad_logp), f32(grad_ent)
 
@@ -767,84 +272,6 @@ def backward_rows(
         _dz_chunk(call, r0, r1, v0, dz, lse, ent if use_e else None, g_all, e_all)
 
     return head_grads(rows, opts, needs, write_dz)
-
-
-def head_grads(rows: RowBatch, opts: KernelOptions, needs: Needs, write_dz: DzWriter) -> HeadGrads:
-    """Gradients for hidden [M, H], weight [V, H] and bias [V] (in those tensors' dtypes) of
-    the logit gradient that ``write_dz`` writes chunk by chunk into a bounded workspace (in
-    the head dtype): cuBLAS multiplies each chunk out into dW, dh (fp32) and db. Shared by
-    every op whose backward is "recompute the tile, form dz" (the log-prob op, the divergence).
-    """
-    hidden, weight, bias = rows.hidden, rows.weight, rows.bias
-    num_rows, dim = hidden.shape
-    vocab = weight.shape[0]
-    dev = hidden.device
-    hd = opts.head_dtype
-    need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
-    passes = _row_passes(num_rows, opts)
-    one_pass = len(passes) <= 1
-    # dW: written once per vocab chunk when one pass covers every row and each chunk's product
-    # comes out in dW's dtype or in fp32 (rounded once as it is stored), else summed in fp32
-    # (add_product); with a caller's buffer (opts.weight_grad_into), added into it.
-    dw = db = dh = None
-    into = opts.weight_grad_buffer if need_w else None
-    w_dtype, h_dtype = opts.grad_dtype(weight.dtype), opts.grad_dtype(hidden.dtype)
-    direct = one_pass and into is None and hd in (w_dtype, opts.compute_dtype)
-    if into is not None:
-        dw = into
-    elif need_w:
-        dw = (
-            torch.empty_like(weight, dtype=w_dtype)
-            if direct
-            else weight.new_zeros((vocab, dim), dtype=opts.compute_dtype)
-        )
-    if need_b:
-        db = torch.zeros(vocab, device=dev)
-    if need_h and not one_pass:
-        dh = torch.empty_like(hidden, dtype=h_dtype)
-    if num_rows == 0:
-        dh = torch.zeros_like(hidden, dtype=h_dtype) if need_h else None
-        dw = None if dw is None or into is not None else dw.zero_().to(w_dtype)
-        return dh, dw, None if db is None else db.to(opts.grad_dtype(bias.dtype))
-
-    h_all = hidden.to(hd)
-    dh_acc = None
-    for r0, r1 in passes:
-        rows = r1 - r0
-        vc = _vocab_chunk(rows, vocab, torch.finfo(hd).bits // 8)
-        workspace = torch.empty(rows * vc, device=dev, dtype=hd)
-        h_rows = h_all[r0:r1]
-        # The hidden gradient of these rows sums over vocab chunks: in fp32.
-        dh_acc = torch.zeros(rows, dim, device=dev) if need_h else None
-        for v0 in range(0, vocab, vc):
-            width = min(vc, vocab - v0)
-            dz = workspace[: rows * width].view(rows, width)
-            write_dz(r0, r1, v0, dz)
-            if db is not None:
-                db[v0 : v0 + width] += dz.sum(0, dtype=torch.float32)
-            if dw is not None:
-                if not direct:
-                    add_product(dw[v0 : v0 + width], dz.t(), h_rows)
-                elif dw.dtype == hd:
-                    torch.mm(dz.t(), h_rows, out=dw[v0 : v0 + width])
-                else:
-                    dw[v0 : v0 + width] = dz.t() @ h_rows
-            if dh_acc is not None:
-                add_product(dh_acc, dz, weight[v0 : v0 + width].to(hd))
-        del workspace, dz  # before dh is allocated: the peak is dW + fp32 dh + workspace
-        if dh_acc is not None:
-            if opts.vocab_parallel is not None:
-                opts.vocab_parallel.reduce_hidden(dh_acc)
-            if one_pass:
-                dh = dh_acc.to(h_dtype)  # allocated after the workspace is freed
-            else:
-                dh[r0:r1] = dh_acc
-        del dh_acc
-    if into is not None:
-        dw = None
-    elif dw is not None and dw.dtype != w_dtype:
-        dw = dw.to(w_dtype)
-    return dh, dw, None if db is None else db.to(opts.grad_dtype(bias.dtype))
 
 
 def fused_rows(

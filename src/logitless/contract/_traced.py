@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from logitless.contract.collectives import fingerprint
+from logitless.contract.fingerprint import fingerprint
 
 
 @torch.compiler.assume_constant_result
 def constant_fingerprint(*parts: object) -> int:
-    """:func:`collectives.fingerprint`, a constant of the traced code."""
+    """:func:`~logitless.contract.fingerprint.fingerprint`, a constant of the traced code."""
     return fingerprint(parts)

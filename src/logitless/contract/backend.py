@@ -90,16 +90,17 @@ BACKENDS: dict[str, BackendSpec] = {
 }
 
 
-def resolve_backend(backend: str, device: torch.device, head_dtype: torch.dtype) -> str:
-    """The registered backend that runs a call on ``device`` with a ``head_dtype`` head.
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The registered backend that runs a call on ``device`` whose head projects in ``dtype``
+    (the call's resolved head dtype: ``HeadOptions.head_dtype``, else the inputs').
 
     ``"auto"`` picks the first backend whose ``auto`` rule accepts the call (Triton for 16-bit
     heads on CUDA when it is installed, the torch tiles otherwise; never Triton on CPU). A
     named backend that cannot run the call raises ``ValueError`` saying why.
     """
     if backend == "auto":
-        return next(name for name, spec in BACKENDS.items() if spec.auto(device, head_dtype))
-    reason = BACKENDS[backend].refuse(device, head_dtype)
+        return next(name for name, spec in BACKENDS.items() if spec.auto(device, dtype))
+    reason = BACKENDS[backend].refuse(device, dtype)
     if reason is not None:
         raise ValueError(reason)
     return backend

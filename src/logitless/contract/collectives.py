@@ -9,16 +9,17 @@ failed and raises a ``ValueError`` saying so, instead of hanging in the next col
 Used by the vocab-parallel head (:mod:`.vocab`), the context-parallel losses, the step
 normalizer and the step accumulator. :func:`check_then_agree` is the rule every checked
 collective call follows: its local check runs, then the agreement, whatever the check found.
-This module imports only torch.distributed.
+Besides its fingerprint (:mod:`.fingerprint`), this module imports only torch.distributed.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from .fingerprint import fingerprint
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -68,11 +69,6 @@ def signature(*parts: object) -> int:
 
         return constant_fingerprint(*parts)
     return fingerprint(parts)
-
-
-def fingerprint(parts: tuple[object, ...]) -> int:
-    """The fingerprint of :func:`signature`, eagerly."""
-    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
 def other_rank_failed(what: str, group_name: str) -> ValueError:

@@ -213,23 +213,20 @@ class SamplerOptions:
         """Whether a kept set is given (a mask) or replayed (a sampler parameter)."""
         return any(v is not None for v in (self.sampling_mask, self.top_k, self.top_p, self.min_p))
 
-    def for_call(
-        self,
-        sampling_mask: SamplingMask | torch.Tensor | None = None,
-        top_k: int | torch.Tensor | None = None,
-        top_p: float | torch.Tensor | None = None,
-        min_p: float | torch.Tensor | None = None,
-    ) -> SamplerOptions:
-        """The options of one call of a module that stores these: a per-call
-        ``sampling_mask`` replaces the stored parameters, a per-call ``top_k`` / ``top_p`` /
-        ``min_p`` overrides its own; ``with_kept_mass`` applies when the call replays."""
-        if sampling_mask is not None:
-            return SamplerOptions(sampling_mask=sampling_mask, with_kept_mass=self.with_kept_mass)
-        out = SamplerOptions(
-            top_k=self.top_k if top_k is None else top_k,
-            top_p=self.top_p if top_p is None else top_p,
-            min_p=self.min_p if min_p is None else min_p,
-        )
+    def for_call(self, given: Mapping[str, object]) -> SamplerOptions:
+        """The options of one call of a module that stores these; ``given``: the call's
+        arguments (its ``locals()``), of which ``sampling_mask``, ``top_k``, ``top_p`` and
+        ``min_p`` are read (None: not given). A per-call ``sampling_mask`` replaces the stored
+        parameters, a per-call ``top_k`` / ``top_p`` / ``min_p`` overrides its own;
+        ``with_kept_mass`` applies when the call replays."""
+        mask = given.get("sampling_mask")
+        if mask is not None:
+            return SamplerOptions(sampling_mask=mask, with_kept_mass=self.with_kept_mass)
+        params = {}
+        for name in ("top_k", "top_p", "min_p"):
+            value = given.get(name)
+            params[name] = getattr(self, name) if value is None else value
+        out = SamplerOptions(**params)
         return dataclasses.replace(out, with_kept_mass=self.with_kept_mass and out.replaying)
 
     def describe(self) -> str:

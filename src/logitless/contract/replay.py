@@ -9,6 +9,7 @@ transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,6 +42,16 @@ class ReplayArgs:
     @property
     def is_mask(self) -> bool:
         return self.mask_offsets is not None
+
+    def take(self, idx: torch.Tensor | None) -> ReplayArgs:
+        """These arguments with the sampler parameters (``top_k``, ``top_p``, ``min_p``) of
+        positions ``idx`` only (every position when None)."""
+        if idx is None:
+            return self
+        pick = {k: getattr(self, k) for k in ("top_k", "top_p", "min_p")}
+        return dataclasses.replace(
+            self, **{k: None if t is None else t.index_select(0, idx) for k, t in pick.items()}
+        )
 
     def truncated(self) -> torch.Tensor:
         """[N] bool: the position has a kept set smaller than the vocabulary (as far as

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from ..contract.checks import check_flag
+from ..contract.options import HeadOptions
 from ..losses import LossNormalizer, PolicyLossConfig
 from ..ops.fused_loss.op import fused_policy_loss
 from ..ops.logprobs.op import linear_logprobs
@@ -409,19 +410,13 @@ class _Step(NamedTuple):
     entropies: torch.Tensor | None
 
 
-def _head_kwargs(
-    head: Head, temperature: float, head_dtype: torch.dtype | None, invariant: bool
-) -> dict:
+def _head_kwargs(head: Head, options: HeadOptions) -> dict:
     """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (the
-    seam :class:`~logitless.integrations.seam.Head`'s bias, softcap and logit scale;
-    ``head_dtype``: the autocast dtype lm_head would run in), and the trainer's
-    ``batch_invariant``."""
-    return dict(
-        **head.options(),
-        temperature=float(temperature),
-        head_dtype=head_dtype,
-        batch_invariant=invariant,
-    )
+    seam :class:`~logitless.integrations.seam.Head`'s bias, softcap and logit scale) and the
+    step's ``options``: the temperature, the autocast dtype lm_head would run in
+    (``head_dtype``) and the trainer's ``batch_invariant``."""
+    picked = ("temperature", "head_dtype", "batch_invariant")
+    return dict(**head.options(), **{k: getattr(options, k) for k in picked})
 
 
 class LogitlessGRPOMixin:
@@ -523,22 +518,25 @@ class LogitlessGRPOMixin:
             out = hf_model.run_backbone(
                 lm, input_ids, attention_mask, None, {}, router_logits=self.aux_loss_enabled
             )
-            head_dtype = hf_model.autocast_dtype(out.hidden.device)
+            head_options = HeadOptions(
+                temperature=float(opts.temperature),
+                head_dtype=hf_model.autocast_dtype(out.hidden.device),
+                batch_invariant=self.logitless_batch_invariant,
+            )
         aux = None
         if out.router_logits is not None:
             aux = hf_model.router_aux_loss(lm, out.router_logits, attention_mask)
         step = _Step(None, aux, None, None, inputs["advantages"], mask, None, None)
         head_step = self._logitless_head_step  # the head's parameters gathered (FSDP2)
-        return hf_model.with_head(lm, head_step, out.hidden, labels, head_dtype, inputs, opts,
+        return hf_model.with_head(lm, head_step, out.hidden, labels, head_options, inputs, opts,
                                   config, mode, layout, step)  # fmt: skip
 
     def _logitless_head_step(
-        self, head, hidden, labels, head_dtype, inputs, opts: _Options, config, mode, layout, step
-    ):
+        self, head, hidden, labels, head_options, inputs, opts: _Options, config, mode, layout,
+        step,
+    ):  # fmt: skip
         """The head's part of :meth:`_logitless_step`: a no-grad pass, TRL's masks, the loss."""
-        head_kwargs = _head_kwargs(
-            head, opts.temperature, head_dtype, self.logitless_batch_invariant
-        )
+        head_kwargs = _head_kwargs(head, head_options)
         mask = step.mask
         with torch.autocast(hidden.device.type, enabled=False):
             with torch.no_grad():  # current log-probs and entropies: one head pass, no grad

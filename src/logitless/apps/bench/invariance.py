@@ -2,8 +2,8 @@
 
 Cost: the log-prob op (forward + backward, log-probs and entropy) and the fused DAPO loss, each
 in the default mode and with ``batch_invariant=True``, timed by the harness like every task
-(the table's ``invariant`` / ``logitless`` and ``fused_invariant`` / ``fused`` time ratio is
-the mode's price).
+(``bench.methods.TASKS["invariance"]``; the table's ``invariant`` / ``logitless`` and
+``fused_invariant`` / ``fused`` time ratio is the mode's price).
 
 What it buys (:func:`ratio_report`, printed under the table): the trainer pattern. The
 workload's tokens are cut into 16 sequences; the old log-probs are recorded on batches of 8
@@ -20,84 +20,11 @@ from collections.abc import Callable
 
 import torch
 
-from .workload import IGNORE_INDEX, Inputs, Workload
+from .workload import IGNORE_INDEX, Workload
 
 SEQUENCES = 16  # the workload's tokens cut into this many sequences
 OLD_BATCH = 8  # sequences per no-grad pass recording the old log-probs
 MICRO_BATCHES = (1, 2)  # sequences per training micro-batch
-
-
-def methods() -> dict:
-    """The task's methods (``bench.methods.TASKS["invariance"]``)."""
-    from .methods import Method, _build_floor, _build_naive, _fused_note
-
-    def note(text: str) -> Callable[[Workload], str]:
-        return lambda work: text
-
-    return {
-        m.name: m
-        for m in (
-            Method("naive", "baseline", _build_naive),
-            Method(
-                "logitless",
-                "op",
-                _build_logprobs(False),
-                note=note("linear_logprobs, the default mode"),
-            ),
-            Method(
-                "invariant",
-                "op",
-                _build_logprobs(True),
-                note=note("linear_logprobs(batch_invariant=True)"),
-            ),
-            Method("fused", "op", _build_fused(False), note=lambda w: _fused_note("DAPO", w)),
-            Method(
-                "fused_invariant",
-                "op",
-                _build_fused(True),
-                note=note("fused_policy_loss(batch_invariant=True), DAPO"),
-            ),
-            Method("floor4", "floor", _build_floor(4), note=note("4 bare matmuls")),
-        )
-    }
-
-
-def _build_logprobs(invariant: bool) -> Callable[[Workload, Inputs], Callable[[], None]]:
-    def build(work: Workload, inputs: Inputs) -> Callable[[], None]:
-        from logitless import linear_logprobs
-
-        from .methods import _backward
-
-        def step() -> None:
-            out = linear_logprobs(
-                inputs.hidden, inputs.weight, inputs.labels, with_entropy=True,
-                batch_invariant=invariant,
-            )  # fmt: skip
-            _backward(inputs, out.logprobs, out.entropy)
-
-        return step
-
-    return build
-
-
-def _build_fused(invariant: bool) -> Callable[[Workload, Inputs], Callable[[], None]]:
-    def build(work: Workload, inputs: Inputs) -> Callable[[], None]:
-        from logitless import fused_policy_loss
-
-        from .methods import _dapo_config, _rl_batch
-
-        rl, cfg = _rl_batch(work, inputs), _dapo_config()
-
-        def step() -> None:
-            loss, _ = fused_policy_loss(
-                inputs.hidden, inputs.weight, inputs.labels, rl.old_logprobs, rl.advantages,
-                config=cfg, document_ids=rl.document_ids, batch_invariant=invariant,
-            )  # fmt: skip
-            loss.backward()
-
-        return step
-
-    return build
 
 
 def _naive(dtype: torch.dtype) -> Callable:

@@ -64,10 +64,13 @@ def _build_naive(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
-def _build_logitless(backend: str, capture: str = "off") -> Callable[[Workload, Inputs], Step]:
+def _build_logitless(
+    backend: str, capture: str = "off", invariant: bool = False
+) -> Callable[[Workload, Inputs], Step]:
     """The fused op: ``logitless.linear_logprobs(..., backend=backend)`` + backward;
     ``capture``: ``"off"`` (the default mode), ``"all"`` (``capturable=True``: every row) or
-    ``"capacity"`` (``capturable=True, row_capacity=`` the workload's valid rows)."""
+    ``"capacity"`` (``capturable=True, row_capacity=`` the workload's valid rows);
+    ``invariant``: ``batch_invariant=True``."""
 
     def build(work: Workload, inputs: Inputs) -> Step:
         from logitless import linear_logprobs
@@ -75,6 +78,8 @@ def _build_logitless(backend: str, capture: str = "off") -> Callable[[Workload, 
         mode = {} if capture == "off" else {"capturable": True}
         if capture == "capacity":
             mode["row_capacity"] = work.valid_rows
+        if invariant:
+            mode["batch_invariant"] = True
 
         def step() -> None:
             out = linear_logprobs(
@@ -372,9 +377,10 @@ def _build_loss_composed(head: str) -> Callable[[Workload, Inputs], Step]:
 
 
 def _build_loss_fused(
-    config: Callable, backend: str = "auto"
+    config: Callable, backend: str = "auto", invariant: bool = False
 ) -> Callable[[Workload, Inputs], Step]:
-    """``logitless.fused_policy_loss(..., backend=backend)`` + backward."""
+    """``logitless.fused_policy_loss(..., backend=backend, batch_invariant=invariant)`` +
+    backward."""
 
     def build(work: Workload, inputs: Inputs) -> Step:
         from logitless import fused_policy_loss
@@ -391,6 +397,7 @@ def _build_loss_fused(
                 config=cfg,
                 document_ids=rl.document_ids,
                 backend=backend,
+                batch_invariant=invariant,
             )
             loss.backward()
 
@@ -577,172 +584,180 @@ def _build_trl_distill(work: Workload, inputs: Inputs) -> Step:
     return step
 
 
-def _invariance() -> dict[str, Method]:
-    from . import invariance  # its builders use this module's helpers, all defined by now
+def _by_name(*methods: Method) -> dict[str, Method]:
+    return {m.name: m for m in methods}
 
-    return invariance.methods()
 
+# Methods several tasks run as they are.
+_NAIVE = Method("naive", "baseline", _build_naive)
+_FLOOR4 = Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls")
+_FUSED_DAPO = Method(
+    "fused", "op", _build_loss_fused(_dapo_config), note=lambda w: _fused_note("DAPO", w)
+)
 
 TASKS: dict[str, dict[str, Method]] = {
-    "logprobs": {
-        m.name: m
-        for m in (
-            Method("naive", "baseline", _build_naive),
-            Method("logitless", "op", _build_logitless("auto"), note=_backend_note),
-            Method(
-                "logitless_torch",
-                "op",
-                _build_logitless("torch"),
-                unavailable=_same_as_auto,
-                note=lambda w: "backend=torch (the tiles)",
-            ),
-            Method("floor3", "floor", _build_floor(3), note=lambda w: "3 bare matmuls"),
-            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
-            Method(
-                "liger",
-                "peer",
-                _build_liger,
-                unavailable=_liger_unavailable,
-                note=lambda w: "log-probs only (no entropy)",
-            ),
-            Method("cce", "peer", _build_cce, unavailable=_cce_unavailable, note=_cce_note),
-            Method("trl", "peer", _build_trl, unavailable=_trl_unavailable, note=_trl_note),
-            Method(
-                "torch_lce",
-                "peer",
-                _build_torch_lce,
-                unavailable=_torch_lce_unavailable,
-                note=lambda w: "F.linear_cross_entropy, chunked options; log-probs only",
-                # 11x naive's time on a 2-core CPU (docs/benchmarks.md): named to run there
-                by_default=lambda device: not device.startswith("cpu"),
-            ),
-        )
-    },
-    "loss": {
-        m.name: m
-        for m in (
-            Method(
-                "naive",
-                "baseline",
-                _build_loss_composed("naive"),
-                note=lambda w: "full logits + policy_loss (DAPO)",
-            ),
-            Method(
-                "composed",
-                "op",
-                _build_loss_composed("logitless"),
-                note=lambda w: "linear_logprobs + policy_loss (DAPO): 4 matmuls",
-            ),
-            Method(
-                "fused",
-                "op",
-                _build_loss_fused(_dapo_config),
-                note=lambda w: _fused_note("DAPO", w),
-            ),
-            Method(
-                "fused_torch",
-                "op",
-                _build_loss_fused(_dapo_config, "torch"),
-                unavailable=_same_as_auto,
-                note=lambda w: _fused_note("DAPO", w, "torch"),
-            ),
-            Method(
-                "fused_gspo",
-                "op",
-                _build_loss_fused(_gspo_config),
-                note=lambda w: _fused_note("GSPO", w),
-            ),
-            Method("floor3", "floor", _build_floor(3), note=lambda w: "3 bare matmuls"),
-            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
-            Method(
-                "liger",
-                "peer",
-                _build_liger_grpo,
-                unavailable=_liger_loss_unavailable,
-                note=lambda w: "LigerFusedLinearGRPOLoss(loss_type='dapo'); all rows computed",
-            ),
-        )
-    },
-    "capturable": {
-        m.name: m
-        for m in (
-            Method("naive", "baseline", _build_naive),
-            Method(
-                "logitless",
-                "op",
-                _build_logitless("auto"),
-                note=lambda w: "the default mode: the valid rows, their count read on the host",
-            ),
-            Method(
-                "capturable",
-                "op",
-                _build_logitless("auto", "all"),
-                note=lambda w: "capturable=True: every row projected, the ignored ones masked",
-            ),
-            Method(
-                "capacity",
-                "op",
-                _build_logitless("auto", "capacity"),
-                note=lambda w: f"capturable=True, row_capacity={w.valid_rows} (the valid rows)",
-            ),
-            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
-        )
-    },
-    "distill": {
-        m.name: m
-        for m in (
-            Method(
-                "naive",
-                "baseline",
-                _build_distill("naive"),
-                note=lambda w: "full logits of both heads, forward KL",
-            ),
-            Method(
-                "logitless",
-                "op",
-                _build_distill("logitless"),
-                note=lambda w: "linear_divergence(beta=0): 6 matmuls",
-            ),
-            Method(
-                "floor6",
-                "floor",
-                _build_distill_floor,
-                note=lambda w: "6 bare matmuls: both heads, recomputed, dh, dW",
-            ),
-            Method(
-                "trl",
-                "peer",
-                _build_trl_distill,
-                unavailable=_trl_distill_unavailable,
-                note=lambda w: "TRL 1.16 ChunkedDivergenceFunction (DistillationTrainer)",
-            ),
-        )
-    },
-    "replay": {
-        m.name: m
-        for m in (
-            Method(
-                "logitless",
-                "op",
-                _build_logitless("auto"),
-                note=lambda w: "full vocabulary, the reference point of the replay rows",
-            ),
-            Method(
-                "replay_mask",
-                "op",
-                _build_replay("mask"),
-                note=lambda w: f"sampling_mask, {_MASK_KEPT} random kept ids per row",
-            ),
-            Method(
-                "replay_topk",
-                "op",
-                _build_replay("topk"),
-                note=lambda w: "top_k=512, top_p=0.95 replayed (streaming top-k)",
-            ),
-            Method("floor4", "floor", _build_floor(4), note=lambda w: "4 bare matmuls"),
-        )
-    },
-    "invariance": _invariance(),
+    "logprobs": _by_name(
+        _NAIVE,
+        Method("logitless", "op", _build_logitless("auto"), note=_backend_note),
+        Method(
+            "logitless_torch",
+            "op",
+            _build_logitless("torch"),
+            unavailable=_same_as_auto,
+            note=lambda w: "backend=torch (the tiles)",
+        ),
+        Method("floor3", "floor", _build_floor(3), note=lambda w: "3 bare matmuls"),
+        _FLOOR4,
+        Method(
+            "liger",
+            "peer",
+            _build_liger,
+            unavailable=_liger_unavailable,
+            note=lambda w: "log-probs only (no entropy)",
+        ),
+        Method("cce", "peer", _build_cce, unavailable=_cce_unavailable, note=_cce_note),
+        Method("trl", "peer", _build_trl, unavailable=_trl_unavailable, note=_trl_note),
+        Method(
+            "torch_lce",
+            "peer",
+            _build_torch_lce,
+            unavailable=_torch_lce_unavailable,
+            note=lambda w: "F.linear_cross_entropy, chunked options; log-probs only",
+            # 11x naive's time on a 2-core CPU (docs/benchmarks.md): named to run there
+            by_default=lambda device: not device.startswith("cpu"),
+        ),
+    ),
+    "loss": _by_name(
+        Method(
+            "naive",
+            "baseline",
+            _build_loss_composed("naive"),
+            note=lambda w: "full logits + policy_loss (DAPO)",
+        ),
+        Method(
+            "composed",
+            "op",
+            _build_loss_composed("logitless"),
+            note=lambda w: "linear_logprobs + policy_loss (DAPO): 4 matmuls",
+        ),
+        _FUSED_DAPO,
+        Method(
+            "fused_torch",
+            "op",
+            _build_loss_fused(_dapo_config, "torch"),
+            unavailable=_same_as_auto,
+            note=lambda w: _fused_note("DAPO", w, "torch"),
+        ),
+        Method(
+            "fused_gspo",
+            "op",
+            _build_loss_fused(_gspo_config),
+            note=lambda w: _fused_note("GSPO", w),
+        ),
+        Method("floor3", "floor", _build_floor(3), note=lambda w: "3 bare matmuls"),
+        _FLOOR4,
+        Method(
+            "liger",
+            "peer",
+            _build_liger_grpo,
+            unavailable=_liger_loss_unavailable,
+            note=lambda w: "LigerFusedLinearGRPOLoss(loss_type='dapo'); all rows computed",
+        ),
+    ),
+    "capturable": _by_name(
+        _NAIVE,
+        Method(
+            "logitless",
+            "op",
+            _build_logitless("auto"),
+            note=lambda w: "the default mode: the valid rows, their count read on the host",
+        ),
+        Method(
+            "capturable",
+            "op",
+            _build_logitless("auto", "all"),
+            note=lambda w: "capturable=True: every row projected, the ignored ones masked",
+        ),
+        Method(
+            "capacity",
+            "op",
+            _build_logitless("auto", "capacity"),
+            note=lambda w: f"capturable=True, row_capacity={w.valid_rows} (the valid rows)",
+        ),
+        _FLOOR4,
+    ),
+    "distill": _by_name(
+        Method(
+            "naive",
+            "baseline",
+            _build_distill("naive"),
+            note=lambda w: "full logits of both heads, forward KL",
+        ),
+        Method(
+            "logitless",
+            "op",
+            _build_distill("logitless"),
+            note=lambda w: "linear_divergence(beta=0): 6 matmuls",
+        ),
+        Method(
+            "floor6",
+            "floor",
+            _build_distill_floor,
+            note=lambda w: "6 bare matmuls: both heads, recomputed, dh, dW",
+        ),
+        Method(
+            "trl",
+            "peer",
+            _build_trl_distill,
+            unavailable=_trl_distill_unavailable,
+            note=lambda w: "TRL 1.16 ChunkedDivergenceFunction (DistillationTrainer)",
+        ),
+    ),
+    "replay": _by_name(
+        Method(
+            "logitless",
+            "op",
+            _build_logitless("auto"),
+            note=lambda w: "full vocabulary, the reference point of the replay rows",
+        ),
+        Method(
+            "replay_mask",
+            "op",
+            _build_replay("mask"),
+            note=lambda w: f"sampling_mask, {_MASK_KEPT} random kept ids per row",
+        ),
+        Method(
+            "replay_topk",
+            "op",
+            _build_replay("topk"),
+            note=lambda w: "top_k=512, top_p=0.95 replayed (streaming top-k)",
+        ),
+        _FLOOR4,
+    ),
+    # what the mode buys is printed under the table: invariance.ratio_report
+    "invariance": _by_name(
+        _NAIVE,
+        Method(
+            "logitless",
+            "op",
+            _build_logitless("auto"),
+            note=lambda w: "linear_logprobs, the default mode",
+        ),
+        Method(
+            "invariant",
+            "op",
+            _build_logitless("auto", invariant=True),
+            note=lambda w: "linear_logprobs(batch_invariant=True)",
+        ),
+        _FUSED_DAPO,
+        Method(
+            "fused_invariant",
+            "op",
+            _build_loss_fused(_dapo_config, invariant=True),
+            note=lambda w: "fused_policy_loss(batch_invariant=True), DAPO",
+        ),
+        _FLOOR4,
+    ),
 }
 
 

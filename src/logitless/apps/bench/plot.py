@@ -224,23 +224,8 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
             (ax_t, r.time_p50_s, t_scale, t_unit, "time_vs_naive"),
             (ax_m, r.peak_extra_mb, m_scale, m_unit, "mem_vs_naive"),
         ):
-            if not r.ok or value is None:
-                ax.text(0, y, f"  {_short_reason(r)}", va="center", fontsize=9, color="#777777")
-                continue
-            ax.barh(y, value * scale, color=colors[r.method], height=0.6)
-            ratio = r.ratios.get(ratio_key)
-            extra = ""
-            if ratio is not None and r is not naive:
-                extra = f"  ({ratio:.2f}x naive)" if ratio < 10 else f"  ({ratio:.1f}x naive)"
-            ax.annotate(
-                f"{_num(value * scale)} {unit}{extra}",
-                (value * scale, y),
-                xytext=(4, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=9,
-                bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85),
-            )
+            ratio = None if r is naive else r.ratios.get(ratio_key)
+            _bar(ax, y, r, value, (scale, unit), ratio, colors[r.method])
     # reference lines: the time floors and the memory floor
     for name in _floors(list(ok)):
         r = ok[name]
@@ -261,23 +246,59 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
             label=f"dW + dh (the gradients): {_num(m_floor * m_scale)} {m_unit}",
         )
     ax_t.set_yticks(ys, labels)
-    for ax, xlabel, unit, values in (
-        (ax_t, "median step time", t_unit, [r.time_p50_s or 0 for r in ok.values()]),
-        (ax_m, "peak extra memory", m_unit, [*m_vals, m_floor]),
-    ):
-        scale = t_scale if ax is ax_t else m_scale
+    _bar_axes(
+        fig,
+        (
+            ax_t,
+            "time",
+            "median step time",
+            t_unit,
+            t_scale,
+            [r.time_p50_s or 0 for r in ok.values()],
+        ),
+        (ax_m, "memory", "peak extra memory", m_unit, m_scale, [*m_vals, m_floor]),
+    )
+    fig.suptitle(_title(rows[0].work, machine, sweep=False), fontsize=11)
+    _footnote(fig, rows)
+    return fig
+
+
+def _bar(ax: Any, y: int, r: Row, value: float | None, unit: tuple, ratio, color) -> None:
+    """Row ``r``'s bar at ``y`` (``value`` times ``unit``'s scale), labelled with its value
+    and its ``ratio`` to naive; a row without numbers: the reason instead."""
+    scale, name = unit
+    if not r.ok or value is None:
+        ax.text(0, y, f"  {_short_reason(r)}", va="center", fontsize=9, color="#777777")
+        return
+    ax.barh(y, value * scale, color=color, height=0.6)
+    extra = ""
+    if ratio is not None:
+        extra = f"  ({ratio:.2f}x naive)" if ratio < 10 else f"  ({ratio:.1f}x naive)"
+    ax.annotate(
+        f"{_num(value * scale)} {name}{extra}",
+        (value * scale, y),
+        xytext=(4, 0),
+        textcoords="offset points",
+        va="center",
+        fontsize=9,
+        bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85),
+    )
+
+
+def _bar_axes(fig: Any, *panels: tuple) -> None:
+    """Each ``(ax, title, xlabel, unit, scale, values)`` panel's axis, then the reference lines'
+    legend under both panels, where the layout keeps it clear of the axis labels and it never
+    hides a bar."""
+    for ax, title, xlabel, unit, scale, values in panels:
         ax.set_xlabel(f"{xlabel} ({unit}), lower is better")
         ax.set_xlim(0, max(values, default=1) * scale * 1.45 or 1)
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
-    ax_t.set_title("time", fontsize=11)
-    ax_m.set_title("memory", fontsize=11)
-    # the reference lines' legend under both panels, where the layout keeps it clear of the
-    # axis labels and it never hides a bar
+        ax.set_title(title, fontsize=11)
     handles, names = (
-        sum(x, []) for x in zip(*(a.get_legend_handles_labels() for a in (ax_t, ax_m)), strict=True)
+        sum(x, []) for x in zip(*(p[0].get_legend_handles_labels() for p in panels), strict=True)
     )
     if handles:
         fig.legend(
@@ -288,22 +309,10 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
             ncol=len(handles),
             frameon=False,
         )
-    fig.suptitle(_title(rows[0].work, machine, sweep=False), fontsize=11)
-    _footnote(fig, rows)
-    return fig
 
 
 def _plot_sweep(plt: Any, rows: Sequence[Row], machine: str) -> Any:
     """Several token counts: time and memory vs tokens, one line per method, floors dashed."""
-    from matplotlib.ticker import (
-        FixedLocator,
-        FuncFormatter,
-        LogLocator,
-        NullFormatter,
-        NullLocator,
-    )
-    from matplotlib.transforms import blended_transform_factory
-
     ok = [r for r in rows if r.ok]
     tokens = sorted({r.work.tokens for r in rows})
     methods = list(dict.fromkeys(r.method for r in rows if not r.method.startswith("floor")))
@@ -328,28 +337,7 @@ def _plot_sweep(plt: Any, rows: Sequence[Row], machine: str) -> Any:
         for r in rows:  # a point without numbers: an x at the top, named under the plot
             if r.method == name and not r.ok and r.status == "failed":
                 for ax in (ax_t, ax_m):
-                    top = blended_transform_factory(ax.transData, ax.transAxes)
-                    ax.plot(
-                        r.work.tokens,
-                        0.97,
-                        "x",
-                        color=colors[name],
-                        ms=9,
-                        mew=2,
-                        transform=top,
-                        clip_on=False,
-                    )
-                    ax.annotate(
-                        _short_reason(r).removeprefix("failed: "),
-                        (r.work.tokens, 0.97),
-                        xycoords=top,
-                        xytext=(-8, 0),
-                        textcoords="offset points",
-                        ha="right",
-                        va="center",
-                        fontsize=8,
-                        color=colors[name],
-                    )
+                    _mark_failed(ax, r, colors[name])
     for name in _floors([r.method for r in ok]):
         pts = sorted((r.work.tokens, r.time_p50_s) for r in ok if r.method == name)
         ax_t.plot(
@@ -369,26 +357,8 @@ def _plot_sweep(plt: Any, rows: Sequence[Row], machine: str) -> Any:
         linewidth=1.2,
         label="dW + dh: the gradients\n(memory floor)",
     )
-    plain = FuncFormatter(lambda v, _: _num(v) if v > 0 else "")
-    for ax, ylabel, unit in (
-        (ax_t, "median step time", t_unit),
-        (ax_m, "peak extra memory", m_unit),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_locator(FixedLocator(tokens))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0f}"))
-        ax.xaxis.set_minor_locator(NullLocator())
-        # ticks at 1, 2, 5 x 10^k, written out (no 6x10^0), light grid lines in between
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("tokens")
-        ax.set_ylabel(f"{ylabel} ({unit})")
-        ax.grid(True, which="major", alpha=0.3)
-        ax.grid(True, which="minor", alpha=0.1)
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
+    _log_axes(ax_t, tokens, f"median step time ({t_unit})")
+    _log_axes(ax_m, tokens, f"peak extra memory ({m_unit})")
     ax_t.set_title("time (lower is better)", fontsize=11)
     ax_m.set_title("memory (lower is better)", fontsize=11)
     fig.suptitle(_title(rows[0].work, machine, sweep=True), fontsize=11)
@@ -400,6 +370,52 @@ def _plot_sweep(plt: Any, rows: Sequence[Row], machine: str) -> Any:
     )
     _footnote(fig, rows)
     return fig
+
+
+def _mark_failed(ax: Any, r: Row, color) -> None:
+    """A point without numbers: an x at the top of ``ax`` at its token count, and the reason."""
+    from matplotlib.transforms import blended_transform_factory
+
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    ax.plot(r.work.tokens, 0.97, "x", color=color, ms=9, mew=2, transform=top, clip_on=False)
+    ax.annotate(
+        _short_reason(r).removeprefix("failed: "),
+        (r.work.tokens, 0.97),
+        xycoords=top,
+        xytext=(-8, 0),
+        textcoords="offset points",
+        ha="right",
+        va="center",
+        fontsize=8,
+        color=color,
+    )
+
+
+def _log_axes(ax: Any, tokens: list[int], ylabel: str) -> None:
+    """A sweep panel's log-log axes: the token counts on x; ticks at 1, 2, 5 x 10^k on y,
+    written out (no 6x10^0), light grid lines in between."""
+    from matplotlib.ticker import (
+        FixedLocator,
+        FuncFormatter,
+        LogLocator,
+        NullFormatter,
+        NullLocator,
+    )
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(tokens))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0f}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _num(v) if v > 0 else ""))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("tokens")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.grid(True, which="minor", alpha=0.1)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
 
 
 # ---------------------------------------------------------------------------------------------

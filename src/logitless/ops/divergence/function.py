@@ -7,17 +7,17 @@ from types import ModuleType
 
 import torch
 
+from ...backends.base import DivOptions, DivRows, DivStats, DivUpstream
 from ..rows import refuse_double_backward
-from .tiles import DivOptions, DivRows, DivStats, DivUpstream
 
 
 def _implementation(opts: DivOptions) -> ModuleType:
     """The module whose ``forward_rows`` / ``backward_rows`` run the call: the Triton kernels
     (imported on first use) or the torch tiles, as the checked call resolved its backend."""
     if opts.student.backend == "triton":
-        from . import triton_kernels
+        from ...backends import triton_divergence
 
-        return triton_kernels
+        return triton_divergence
     from . import tiles
 
     return tiles

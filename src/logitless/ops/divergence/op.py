@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from ...backends.base import RowBatch, check_invariant_blas
+from ...backends.base import DivOptions, DivRows, RowBatch, check_invariant_blas
 from ...contract.divergence import (
     DivergenceCall,
     DivergenceOptions,
@@ -19,7 +19,6 @@ from ...contract.vocab import VocabParallel
 from ...types import Divergence
 from ..rows import kernel_batch, kernel_options, select_rows
 from .function import run_rows
-from .tiles import DivOptions, DivRows
 
 
 def linear_divergence(

@@ -32,70 +32,29 @@ more SUM for the JSD's second pass).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from ...backends.base import HeadGrads, KernelOptions, Needs, RowBatch, extend_rows
+from ...backends.base import (
+    DivOptions,
+    DivRows,
+    DivStats,
+    DivUpstream,
+    HeadGrads,
+    Needs,
+    padded_backward,
+)
 from ...backends.torch_tiles import GradAccumulator, label_slot, project, weight_block
 from ...contract.collectives import all_reduce
 from ...contract.divergence import TopKRows
 from . import topk as sparse
 
 
-class DivRows(NamedTuple):
-    """The valid rows of a divergence call: the student's :class:`RowBatch` (labels
-    shard-local under vocab parallelism), the teacher's (its hidden ``[M, H_t]``, weight,
-    bias; None with a sparse teacher) and the sparse teacher's rows (ids shard-local)."""
-
-    student: RowBatch
-    teacher: RowBatch | None
-    topk: TopKRows | None
-
-
-@dataclass(frozen=True)
-class DivOptions:
-    """The kernels' options: the student's (schedule, transform, entropy, vocab parallel), the
-    teacher's transform and head dtype (same schedule), the mode and beta."""
-
-    student: KernelOptions
-    teacher: KernelOptions | None
-    mode: str
-    beta: float
-
-
-class DivStats(NamedTuple):
-    """Forward results per row ``[M]`` (compute dtype): divergence, log-prob, entropy (or
-    None); each head's log-sum-exp as its two parts, the max ``m`` and ``log Σ exp(z - m)``
-    (``log p = (z - m) - log Σ``: rounding ``m + log Σ`` first would cost the likely tokens'
-    log-probs ~6x their accuracy); ``aux``: KL(p_s‖p_t) (reverse), KL(p_s‖m) (JSD), the same
-    over the top-k buckets (a sparse teacher, beta > 0), else None; ``tail``: the log of the
-    student's mass outside the sparse teacher's ids (None with a dense teacher)."""
-
-    divergence: torch.Tensor
-    logp: torch.Tensor
-    entropy: torch.Tensor | None
-    max: torch.Tensor
-    log_sum: torch.Tensor
-    teacher_max: torch.Tensor | None
-    teacher_log_sum: torch.Tensor | None
-    aux: torch.Tensor | None
-    tail: torch.Tensor | None
-
-
 def _log_softmax_(z: torch.Tensor, m: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
     """``z`` ``[R, Vb]`` -> its log-probs ``(z - m) - log Σ`` in place (``m``, ``log_sum``:
     ``[R]``)."""
     return z.sub_(m[:, None]).sub_(log_sum[:, None])
-
-
-class DivUpstream(NamedTuple):
-    """Upstream gradients ``[M]`` of the divergence, the log-prob and the entropy (None: unused)."""
-
-    divergence: torch.Tensor | None
-    logp: torch.Tensor | None
-    entropy: torch.Tensor | None
 
 
 def _rowdot_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -193,17 +152,6 @@ def _project_both(rows: DivRows, opts: DivOptions, c: _Chunk, v0: int, v1: int, 
         project(zt, c.h_t, w, b, c.temp, opts.teacher)
 
 
-def _padded(rows: DivRows, pad: int) -> DivRows:
-    """``rows`` followed by ``pad`` copies of the first (the batch-invariant schedule's filler,
-    see :meth:`RowBatch.padded`)."""
-    t, topk = rows.teacher, rows.topk
-    return DivRows(
-        rows.student.padded(pad),
-        None if t is None else t.padded(pad),
-        None if topk is None else TopKRows(*(extend_rows(x, pad) for x in topk)),
-    )
-
-
 def forward_rows(rows: DivRows, opts: DivOptions) -> DivStats:
     """Per-row divergence, log-prob, entropy and the statistics backward needs.
 
@@ -213,7 +161,7 @@ def forward_rows(rows: DivRows, opts: DivOptions) -> DivStats:
     pad = opts.student.schedule.padding(num_rows)
     if pad == 0:
         return _forward_rows(rows, opts)
-    stats = _forward_rows(_padded(rows, pad), opts)
+    stats = _forward_rows(rows.padded(pad), opts)
     return DivStats(*(None if x is None else x[:num_rows] for x in stats))
 
 
@@ -399,13 +347,7 @@ def backward_rows(
     their dtypes) under the upstream gradients ``up``; recomputes every tile."""
     num_rows = rows.student.hidden.shape[0]
     pad = opts.student.schedule.padding(num_rows)
-    if pad == 0:
-        return _backward_rows(rows, stats, up, opts, needs)
-    # The filler rows repeat the first row's statistics with a zero upstream gradient: dz = 0.
-    stats = DivStats(*(extend_rows(x, pad) for x in stats))
-    up = DivUpstream(*(extend_rows(u, pad, 0.0) for u in up))
-    dh, dw, db = _backward_rows(_padded(rows, pad), stats, up, opts, needs)
-    return (None if dh is None else dh[:num_rows]), dw, db
+    return padded_backward(_backward_rows, rows, stats, up, opts, needs, pad)
 
 
 def _backward_rows(

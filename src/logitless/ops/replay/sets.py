@@ -220,13 +220,7 @@ def replayed_rows(
     pending = None  # None: every row
     while True:
         cand = stream_candidates(batch.take(pending), opts, cap, with_mass)
-        sets = kept_from_candidates(
-            cand,
-            take(spec.top_k, pending),
-            take(spec.top_p, pending),
-            take(spec.min_p, pending),
-            spec.vocab_size,
-        )
+        sets = kept_from_candidates(cand, spec.take(pending))
         rows = torch.arange(num_rows, device=dev) if pending is None else pending
         count = torch.where(sets.covered, sets.count, 0)
         part, add = _select_entries(cand, count, take(labels, pending), rows, opts.vocab_parallel)

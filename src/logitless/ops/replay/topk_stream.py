@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ...backends.base import KernelOptions, RowBatch, Schedule
 from ...backends.torch_tiles import OnlineStats, label_slot, project, weight_block
+from ...contract.replay import ReplayArgs
 from ...contract.vocab import VocabParallel
 
 # Candidate values + ids of one row chunk: at most this many [rows, C] entries at once (per
@@ -307,19 +308,15 @@ class KeptSets(NamedTuple):
     need: torch.Tensor
 
 
-def kept_from_candidates(
-    cand: Candidates,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    vocab_size: int,
-) -> KeptSets:
+def kept_from_candidates(cand: Candidates, spec: ReplayArgs) -> KeptSets:
     """The sampler's kept set of each row from its sorted candidates (see the module doc).
 
-    top_k: [R] int64 (>= vocab_size: none), top_p: [R] float64 in (0, 1], min_p: [R] float64
+    spec: the sampler's parameters of these R rows (:meth:`ReplayArgs.take`): ``top_k`` [R]
+    int64 (>= ``vocab_size``: none), ``top_p`` [R] float64 in (0, 1], ``min_p`` [R] float64
     in [0, 1), or None each. Rows without top-k need their top-p / min-p set within the
     candidates; ``KeptSets.covered`` says which rows were decided.
     """
+    top_k, top_p, min_p, vocab_size = spec.top_k, spec.top_p, spec.min_p, spec.vocab_size
     vals, extra = cand.vals, cand.extra
     rows, cap = vals.shape
     dev = vals.device

@@ -1,11 +1,12 @@
 """The divergence op in Triton: both heads' GEMM tiles in one program, logits in registers.
 
-The algorithm is the torch tiles' (:mod:`.tiles`, whose docstring states the math); here each
-program owns a ``[BLOCK_M, BLOCK_N]`` block of rows × vocabulary and computes *both* heads'
-tiles of it, the student's ``z_s = transform_s(h·Wᵀ)`` and the teacher's ``z_t =
-transform_t(h_t·W_tᵀ)`` (each with its own bias, logit scale, softcap, hidden width and head
-dtype; one temperature), with :func:`~logitless.backends.triton_kernels._logits_tile`, the
-Triton twin of the logit transform. No logit of either head is written to memory.
+The algorithm is the torch tiles' (:mod:`logitless.ops.divergence.tiles`, whose docstring
+states the math); here each program owns a ``[BLOCK_M, BLOCK_N]`` block of rows × vocabulary
+and computes *both* heads' tiles of it, the student's ``z_s = transform_s(h·Wᵀ)`` and the
+teacher's ``z_t = transform_t(h_t·W_tᵀ)`` (each with its own bias, logit scale, softcap, hidden
+width and head dtype; one temperature), with
+:func:`~logitless.backends.triton_launch.logits_tile`, the Triton twin of the logit transform.
+No logit of either head is written to memory.
 
 Forward. ``_div_stats_kernel`` folds each program's run of vocabulary blocks (a *split*) into
 the student's online ``m_s, Σ exp(z_s - m_s), Σ exp(z_s - m_s)·(z_s - m_s)`` and label logit,
@@ -19,7 +20,7 @@ student's logit gradient (the teacher's tile only when the divergence has a grad
 
     dz_s = d·∂D/∂z_s + g·(onehot(y) - p_s) - e·p_s ⊙ (lp_s + H)      · (s/T) · softcap'
 
-into the bounded workspace of :func:`~logitless.backends.triton_kernels.head_grads`, which
+into the bounded workspace of :func:`~logitless.backends.triton_launch.head_grads`, which
 multiplies it out into the student's ``dW``, ``dh`` and ``db`` with cuBLAS.
 
 Not here (the contract refuses them under ``backend="triton"``; ``"auto"`` runs the torch
@@ -34,19 +35,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ...backends.base import HeadGrads, Needs, extend_rows
-from ...backends.triton_kernels import (
-    _Call,
-    _grouped,
-    _launch,
-    _logits_tile,
-    _num_splits,
-    _row_inv_temperature,
-    _row_passes,
+from .base import DivOptions, DivRows, DivStats, DivUpstream, HeadGrads, Needs, padded_backward
+from .triton_launch import (
+    KernelHead,
+    chunk_program,
     head_grads,
+    launch,
+    logits_tile,
+    online_step,
     register,
+    row_factor,
+    row_inv_temperature,
+    row_passes,
+    split_program,
+    store_dz,
+    vocab_splits,
 )
-from .tiles import DivOptions, DivRows, DivStats, DivUpstream, _padded
 
 _MODES = {"forward": 0, "reverse": 1, "jsd": 2}
 
@@ -92,16 +96,11 @@ def _div_stats_kernel(
     each head): ``Σ exp(d_t)·(d_t - d_s)`` at MODE 0, ``Σ exp(d_s)·(d_s - d_t)`` at MODE 1,
     0 for the JSD. An empty split writes max = -inf and zero sums.
     """
-    pid_m, pid_s = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_splits, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    rows = offs_m % M
+    pid_s, offs_m, row_ok, rows, first, last = split_program(
+        M, V, num_splits, BLOCK_M, BLOCK_N, GROUP_M
+    )
     y = tl.load(y_ptr + rows)
-    inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
-    n_blocks = tl.cdiv(V, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, num_splits)
-    first = pid_s * per_split
-    last = tl.minimum(first + per_split, n_blocks)
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
     m_s = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_s = tl.zeros((BLOCK_M,), tl.float32)
@@ -112,12 +111,12 @@ def _div_stats_kernel(
     for nb in range(first, last):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        z_s, _ = _logits_tile(
+        z_s, _ = logits_tile(
             hs_ptr, ws_ptr, bs_ptr, rows, offs_n % V, inv_t, Ks, stride_hs, stride_ws,
             scale_s, softcap_s, S_HAS_BIAS, S_HAS_SCALE, S_HAS_SOFTCAP, TEMP_MODE,
             S_HEAD_DTYPE, S_DOT_DTYPE, S_IEEE, S_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        z_t, _ = _logits_tile(
+        z_t, _ = logits_tile(
             ht_ptr, wt_ptr, bt_ptr, rows, offs_n % V, inv_t, Kt, stride_ht, stride_wt,
             scale_t, softcap_t, T_HAS_BIAS, T_HAS_SCALE, T_HAS_SOFTCAP, TEMP_MODE,
             T_HEAD_DTYPE, T_DOT_DTYPE, T_IEEE, T_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -127,17 +126,9 @@ def _div_stats_kernel(
         z_t = tl.where(col_ok[None, :], z_t, -1.0e30)
         is_label = (offs_n[None, :] == y[:, None]) & col_ok[None, :]
         zy += tl.sum(tl.where(is_label, z_s, 0.0), axis=1)
-        ms_new = tl.maximum(m_s, tl.max(z_s, axis=1))
-        mt_new = tl.maximum(m_t, tl.max(z_t, axis=1))
-        # each head's m_old - m_new (<= 0; 0 on the first block, whose m is -inf)
-        shift_s = tl.where(m_s == float("-inf"), 0.0, m_s - ms_new)
-        shift_t = tl.where(m_t == float("-inf"), 0.0, m_t - mt_new)
-        d_s = z_s - ms_new[:, None]  # <= 0: every term below is centred on the maxima
-        d_t = z_t - mt_new[:, None]
-        e_s = tl.exp(d_s)
-        e_t = tl.exp(d_t)
-        alpha_s = tl.exp(m_s - ms_new)  # 0 on the first block (m = -inf)
-        alpha_t = tl.exp(m_t - mt_new)
+        # each head's new max, m_old - m_new, d = z - m_new, exp(d), exp(m_old - m_new)
+        ms_new, shift_s, d_s, e_s, alpha_s = online_step(m_s, z_s)
+        mt_new, shift_t, d_t, e_t, alpha_t = online_step(m_t, z_t)
         if WITH_ENTROPY:
             q_s = alpha_s * (q_s + shift_s * s_s) + tl.sum(tl.where(e_s > 0.0, e_s * d_s, 0.0), 1)
         # the cross sum Σ e·(d_own - d_other): its old terms move by shift_own - shift_other
@@ -180,30 +171,25 @@ def _jsd_kernel(
     """The JSD's second pass: ``Σ p_s·(lp_s - log m)`` and ``Σ p_t·(lp_t - log m)`` of one row
     block over one split -> out ``[2, num_splits, M]``; norm ``[4, M]``: each head's max and
     log Σ exp(z - max) (student, student, teacher, teacher)."""
-    pid_m, pid_s = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_splits, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    rows = offs_m % M
-    inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    pid_s, offs_m, row_ok, rows, first, last = split_program(
+        M, V, num_splits, BLOCK_M, BLOCK_N, GROUP_M
+    )
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
     m_s = tl.load(norm_ptr + rows)
     ls_s = tl.load(norm_ptr + M + rows)
     m_t = tl.load(norm_ptr + 2 * M + rows)
     ls_t = tl.load(norm_ptr + 3 * M + rows)
-    n_blocks = tl.cdiv(V, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, num_splits)
-    first = pid_s * per_split
-    last = tl.minimum(first + per_split, n_blocks)
     kl_s = tl.zeros((BLOCK_M,), tl.float32)
     kl_t = tl.zeros((BLOCK_M,), tl.float32)
     for nb in range(first, last):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        z_s, _ = _logits_tile(
+        z_s, _ = logits_tile(
             hs_ptr, ws_ptr, bs_ptr, rows, offs_n % V, inv_t, Ks, stride_hs, stride_ws,
             scale_s, softcap_s, S_HAS_BIAS, S_HAS_SCALE, S_HAS_SOFTCAP, TEMP_MODE,
             S_HEAD_DTYPE, S_DOT_DTYPE, S_IEEE, S_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        z_t, _ = _logits_tile(
+        z_t, _ = logits_tile(
             ht_ptr, wt_ptr, bt_ptr, rows, offs_n % V, inv_t, Kt, stride_ht, stride_wt,
             scale_t, softcap_t, T_HAS_BIAS, T_HAS_SCALE, T_HAS_SOFTCAP, TEMP_MODE,
             T_HEAD_DTYPE, T_DOT_DTYPE, T_IEEE, T_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -241,31 +227,22 @@ def _div_dz_kernel(
     log-sum, aux (KL(p_s‖p_t) at MODE 1, KL(p_s‖m) at MODE 2), entropy, and the upstream
     gradients d (divergence), g (log-prob), e (entropy); each read only when its flag is on.
     """
-    num_n = tl.cdiv(width, BLOCK_N)
-    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside the chunk
-    row_ok = offs_m < M
-    col_ok = offs_c < width
-    rows = offs_m % M
-    offs_n = v_start + offs_c
-    inv_t = _row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
-    z_s, th = _logits_tile(
+    offs_m, offs_c, row_ok, col_ok, rows = chunk_program(M, width, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_n = v_start + offs_c  # offs_c: the column inside the chunk
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    z_s, th = logits_tile(
         hs_ptr, ws_ptr, bs_ptr, rows, offs_n % V, inv_t, Ks, stride_hs, stride_ws,
         scale_s, softcap_s, S_HAS_BIAS, S_HAS_SCALE, S_HAS_SOFTCAP, TEMP_MODE,
         S_HEAD_DTYPE, S_DOT_DTYPE, S_IEEE, S_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     lp_s = (z_s - tl.load(row_ptr + rows)[:, None]) - tl.load(row_ptr + M + rows)[:, None]
     p_s = tl.exp(lp_s)
-    if S_HAS_SCALE:  # noqa: SIM108 (a constexpr branch) dz/dx's per-row part: s / T
-        factor = inv_t * scale_s
-    else:
-        factor = inv_t
+    factor = row_factor(inv_t, scale_s, S_HAS_SCALE)  # dz/dx's per-row part: s / T
     x = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # d·u, where dD/dz_s = p_s ⊙ u (- p_t)
     gh = tl.zeros((BLOCK_M,), tl.float32)  # g + e·H
     if HAS_D:
         d_f = tl.load(row_ptr + 6 * M + rows) * factor
-        z_t, _ = _logits_tile(
+        z_t, _ = logits_tile(
             ht_ptr, wt_ptr, bt_ptr, rows, offs_n % V, inv_t, Kt, stride_ht, stride_wt,
             scale_t, softcap_t, T_HAS_BIAS, T_HAS_SCALE, T_HAS_SOFTCAP, TEMP_MODE,
             T_HEAD_DTYPE, T_DOT_DTYPE, T_IEEE, T_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -288,7 +265,7 @@ def _div_dz_kernel(
         x -= e_f[:, None] * lp_s
         gh += e_f * tl.load(row_ptr + 5 * M + rows)
     x = (x - gh[:, None]) * p_s
-    if HAS_D:  # noqa: SIM102 (constexpr branches)
+    if HAS_D:
         if MODE == 0:  # d·(p_s - p_t)
             x -= d_f[:, None] * tl.exp(lp_t)
     if HAS_G:
@@ -296,8 +273,7 @@ def _div_dz_kernel(
         x = tl.where(offs_n[None, :] == y[:, None], x + g_f[:, None], x)
     if S_HAS_SOFTCAP:
         x = x * (1.0 - th * th)
-    out = dz_ptr + offs_m.to(tl.int64)[:, None] * width + offs_c[None, :]
-    tl.store(out, x.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_dz(dz_ptr, x, offs_m, offs_c, row_ok, col_ok, width)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +282,7 @@ def _div_dz_kernel(
 
 
 # Launched by the log-prob kernels' launcher, under its rule for configurations
-# (``candidates`` in :mod:`logitless.backends.triton_kernels`), with the two-GEMM table.
+# (``candidates`` in :mod:`logitless.backends.triton_launch`), with the two-GEMM table.
 _OPERANDS = ("hs_ptr", "ws_ptr", "ht_ptr", "wt_ptr")
 for _name, _kernel in (("div_stats", _div_stats_kernel), ("jsd", _jsd_kernel),
                        ("div_dz", _div_dz_kernel)):  # fmt: skip
@@ -314,13 +290,13 @@ for _name, _kernel in (("div_stats", _div_stats_kernel), ("jsd", _jsd_kernel),
 
 
 class _Heads:
-    """Both heads made kernel-ready (:class:`~logitless.backends.triton_kernels._Call` each):
+    """Both heads made kernel-ready (:class:`~logitless.backends.triton_launch.KernelHead` each):
     their tensors, scalars and constexprs as the kernels name them (``S_*`` student,
     ``T_*`` teacher; the temperature is the student's, shared)."""
 
     def __init__(self, rows: DivRows, opts: DivOptions) -> None:
-        self.s = _Call(rows.student, opts.student)
-        self.t = _Call(rows.teacher, opts.teacher)
+        self.s = KernelHead(rows.student, opts.student)
+        self.t = KernelHead(rows.teacher, opts.teacher)
         self.mode = opts.mode
         self.beta = opts.beta
         self.vocab = rows.student.weight.shape[0]
@@ -345,8 +321,7 @@ class _Heads:
 
     def scalars(self) -> tuple:
         """1/T, then each head's scale and softcap."""
-        s, t = self.s, self.t
-        return (s.inv_temp, s.scale, s.softcap, t.scale, t.softcap)
+        return (*self.s.scalars(), *self.t.scalars()[1:])
 
     def mixture(self) -> tuple[float, float]:
         """``(log(1-β), log β)`` of the JSD (0 otherwise: unused)."""
@@ -365,12 +340,12 @@ def forward_rows(rows: DivRows, opts: DivOptions) -> DivStats:
     num_rows, dev = rows.student.hidden.shape[0], rows.student.hidden.device
     pad = opts.student.schedule.padding(num_rows)
     if pad:
-        stats = forward_rows(_padded(rows, pad), opts)
+        stats = forward_rows(rows.padded(pad), opts)
         return DivStats(*(None if x is None else x[:num_rows] for x in stats))
     names = DivStats._fields
     out = {k: torch.empty(num_rows, device=dev) for k in names}
     heads = _Heads(rows, opts)
-    for r0, r1 in _row_passes(num_rows, opts.student):
+    for r0, r1 in row_passes(num_rows, opts.student):
         for k, v in _stats_pass(heads, r0, r1, opts.student.with_entropy).items():
             out[k][r0:r1] = v
     keep = {"entropy": opts.student.with_entropy, "aux": opts.mode != "forward", "tail": False}
@@ -381,9 +356,9 @@ def _stats_pass(heads: _Heads, r0: int, r1: int, with_entropy: bool) -> dict:
     """The [r1 - r0] results of rows [r0, r1): the statistics kernel, the merge of its splits
     and (JSD) the second pass."""
     rows = r1 - r0
-    splits = _num_splits(rows, heads.vocab, heads.s.hidden.device)
+    splits = vocab_splits(rows, heads.vocab, heads.s.hidden.device)
     stats = torch.empty(7, splits, rows, device=heads.s.hidden.device)
-    _launch(
+    launch(
         "div_stats",
         rows * heads.vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
@@ -438,7 +413,7 @@ def _jsd_pass(heads: _Heads, r0: int, r1: int, splits: int, norm: torch.Tensor):
     and log-sum)."""
     rows = r1 - r0
     out = torch.empty(2, splits, rows, device=norm.device)
-    _launch(
+    launch(
         "jsd",
         rows * heads.vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
@@ -457,11 +432,8 @@ def backward_rows(
     chunk (the teacher's only when the divergence has a gradient)."""
     num_rows = rows.student.hidden.shape[0]
     pad = opts.student.schedule.padding(num_rows)
-    if pad:  # the filler rows: the first row's statistics, a zero upstream gradient (dz = 0)
-        stats = DivStats(*(extend_rows(x, pad) for x in stats))
-        up = DivUpstream(*(extend_rows(u, pad, 0.0) for u in up))
-        dh, dw, db = backward_rows(_padded(rows, pad), stats, up, opts, needs)
-        return (None if dh is None else dh[:num_rows]), dw, db
+    if pad:
+        return padded_backward(backward_rows, rows, stats, up, opts, needs, pad)
     heads = _Heads(rows, opts)
     use_e = up.entropy is not None and stats.entropy is not None
     flags = {"HAS_D": up.divergence is not None, "HAS_G": up.logp is not None, "HAS_E": use_e}
@@ -470,7 +442,7 @@ def backward_rows(
 
     def write_dz(r0: int, r1: int, v0: int, dz: torch.Tensor) -> None:
         n, width = dz.shape
-        _launch(
+        launch(
             "div_dz",
             n * width,
             lambda meta: triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),
