@@ -69,11 +69,11 @@ from ..types import Divergence, LogProbs
 from . import hf_seam
 from .hf_batch import (
     MASK_DTYPES,
-    POS_DTYPES,
     ModelBatch,
     batch_labels,
     check_input_ids,
     check_like_ids,
+    check_position_ids,
 )
 from .hf_model import (
     SUPPORTED_MODELS,
@@ -85,7 +85,7 @@ from .hf_model import (
     run_backbone,
 )
 from .seam import LossInputs
-from .wrappers import run_in_forward
+from .wrappers import run_in_forward, unwrap
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -117,6 +117,8 @@ _RESERVED_KWARGS = frozenset(
         "output_hidden_states",
         "return_dict",
         "cache_position",
+        "cache",
+        "mm_encoder_outputs",
     }
 )
 
@@ -235,7 +237,7 @@ def causal_lm_hidden_states(
     if attention_mask is not None:
         check_like_ids("attention_mask", attention_mask, input_ids, MASK_DTYPES)
     if position_ids is not None:
-        check_like_ids("position_ids", position_ids, input_ids, POS_DTYPES)
+        check_position_ids(position_ids, input_ids)
     args = (input_ids, attention_mask, position_ids, model_kwargs)
     return run_in_forward(model, lambda lm: run_backbone(lm, *args).hidden)
 
@@ -542,6 +544,8 @@ def causal_lm_divergence(
     )
     check_model(model)
     check_model(teacher)
+    batch.check_backbone(unwrap(model).model, model_kwargs)
+    batch.check_backbone(unwrap(teacher).model, model_kwargs)
     labels = batch.targets(ignore_index, False)
     with torch.no_grad():
         t_hidden, t_head = run_in_forward(teacher, hf_seam.teacher_in_forward, batch, model_kwargs)
