@@ -297,7 +297,11 @@ AUDITED: dict[str, VisionLanguage] = {
 
 #: Every image / video argument name of the audited classes: refused for a model that does not
 #: take it (a text model's backbone would drop it and return the text's hidden states alone).
-MULTIMODAL_INPUTS: frozenset[str] = frozenset().union(*(v.inputs for v in AUDITED.values()))
+MULTIMODAL_INPUTS: frozenset[str] = frozenset().union(
+    *(v.inputs for v in AUDITED.values()),
+    # and those of classes not audited that trainers pass (TRL: LFM2-VL, InternVL, Gemma-4)
+    {"pixel_attention_mask", "spatial_shapes", "image_position_ids", "mm_encoder_outputs"},
+)
 
 
 def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
