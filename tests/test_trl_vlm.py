@@ -14,8 +14,11 @@ The distillation trainer likewise (a LLaVA student and a wider LLaVA teacher, bo
 images): the same loss and gradients as stock ``DistillationTrainer`` on a generated batch,
 and the same ``train()``.
 
-Qwen-VL's processor needs torchvision (its video processor), which this project's
-environments do not install: the Qwen classes are covered by tests/test_hf_vlm.py.
+Qwen2-VL: its processor needs torchvision (its video processor), which this project's
+environments do not install, so its batch is built here as TRL's scoring builds it; stock
+``compute_loss`` and the adapter's, the loss, every gradient (the vision tower's included), the
+metrics, and the scoring in chunks of rows (image rows sliced by ``image_grid_thw``). Mutation
+checked: the pixel rows of a chunk taken from the start fails both Qwen tests.
 """
 
 from __future__ import annotations
@@ -259,3 +262,96 @@ def test_distillation_train_on_images_matches_trl(model_dir, teacher_dir, tmp_pa
         runs.append((trainer.state.log_history, params))
     initial = {n: p.detach() for n, p in make_model().named_parameters()}
     assert assert_same_run(*runs[0], *runs[1], initial) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen2-VL: its processor needs torchvision, so the batch is built here as TRL's scoring builds
+# it (left-padded prompts with image tokens, mm_token_type_ids over prompt + completion, one
+# pixel row per patch of image_grid_thw, num_images per row); the trainers get the LLaVA
+# processor only to construct (compute_loss reads the batch alone).
+
+
+def _qwen_batch():
+    from test_hf_vlm import _model as vlm_model
+
+    model = vlm_model("qwen2_vl")
+    g = torch.Generator().manual_seed(5)
+    B, P, C = 4, 12, 5
+    prompt = torch.randint(3, 200, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[1, :3] = 0  # left padding
+    prompt_mask[3, :5] = 0
+    prompt = prompt.masked_fill(prompt_mask == 0, 0)
+    prompt[0, 2:6] = IMAGE  # a 4-token image (grid 1x4x4)
+    prompt[1, 4:6] = IMAGE  # a 2-token image (grid 1x2x4)
+    prompt[1, 7:11] = IMAGE  # and a 4-token one; row 2 is text only
+    prompt[3, 6:8] = IMAGE  # a 2-token image
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4], [1, 4, 4], [1, 2, 4]])
+    completion = torch.randint(3, 200, (B, C), generator=g)
+    completion_mask = torch.ones(B, C, dtype=torch.long)
+    completion_mask[2, 3:] = 0
+    ids = torch.cat([prompt, completion], 1)
+    with torch.no_grad():
+        old = torch.randn(B, C, generator=g) * 0.1 - 5.0
+    inputs = {
+        "prompt_ids": prompt,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(B, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
+        "old_per_token_logps": old,
+        "pixel_values": torch.randn(int(grid.prod(-1).sum()), 24, generator=g),
+        "image_grid_thw": grid,
+        "num_images": [1, 2, 0, 1],
+        "mm_token_type_ids": (ids == IMAGE).int(),
+    }
+    return model, inputs
+
+
+@pytest.mark.parametrize("options", [{}, {"loss_type": "grpo", "entropy_coef": 0.01}])
+def test_qwen2_vl_compute_loss_matches_trl(options, tmp_path):
+    import copy
+
+    model, inputs = _qwen_batch()
+    args = _args(tmp_path, per_device_train_batch_size=4, **options)
+    trainers = [
+        cls(
+            model=copy.deepcopy(model),
+            reward_funcs=_reward,
+            args=args,
+            train_dataset=_dataset(),
+            processing_class=make_processor(),
+        )  # fmt: skip
+        for cls in (LogitlessGRPOTrainer, trl.GRPOTrainer)
+    ]
+    results = []
+    for trainer in trainers:
+        trainer.current_gradient_accumulation_steps = 2
+        trainer.model.train()
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+        grads = {n: p.grad for n, p in trainer.model.named_parameters()}
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        images = {k: inputs[k] for k in ("pixel_values", "image_grid_thw", "num_images")}
+        with torch.no_grad():  # scoring two rows at a time: the images sliced per row
+            scored = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, att, 5, batch_size=2, compute_entropy=True,
+                mm_token_type_ids=inputs["mm_token_type_ids"], **images,
+            )[:2]  # fmt: skip
+        results.append((loss.detach(), grads, metrics, scored))
+    (a, ga, ma, sa), (b, gb, mb, sb) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    mask = inputs["completion_mask"].bool()
+    for x, y in zip(sa, sb, strict=True):
+        torch.testing.assert_close(x[mask], y[mask], rtol=1e-5, atol=1e-5)
+    for name, g in gb.items():
+        assert g is not None and ga[name] is not None, name
+        atol = 1e-6 * max(1.0, float(g.abs().max()))
+        torch.testing.assert_close(ga[name], g, rtol=1e-4, atol=atol, msg=name)
+    assert bool(ga["model.visual.patch_embed.proj.weight"].any())
+    for key, value in ma.items():
+        assert value == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
