@@ -13,10 +13,13 @@ compare with ``model(...).logits`` (see :data:`SUPPORTED_MODELS`): the logits ar
 ``lm_head(final hidden states)``, plus Gemma-2/3's final-logit soft-capping (passed to the op
 as ``softcap``) or Cohere's / Granite's constant logit scale (passed as ``logit_scale``); the
 mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral) add their router's load-balancing
-loss to :func:`causal_lm_policy_loss` as their forward does. Anything else, including a
-subclass that overrides ``forward`` and a head that is not a plain ``nn.Linear`` (LoRA on
-``lm_head``, quantized heads), is refused with ``ValueError`` rather than risk different
-numbers.
+loss to :func:`causal_lm_policy_loss` as their forward does. The vision-language classes
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, Gemma-3, LLaVA:
+:mod:`~logitless.integrations.hf_vlm`) take their image inputs by their own names in
+``**model_kwargs`` and Qwen's multimodal ``[3, B, T]`` position ids; their head is the same.
+Anything else, including a subclass that overrides ``forward`` and a head that is not a
+plain ``nn.Linear`` (LoRA on ``lm_head``, quantized heads), is refused with ``ValueError``
+rather than risk different numbers.
 
 **Wrapped models.** ``DistributedDataParallel``, FSDP2 (``fully_shard``) and PEFT LoRA models
 are accepted as they are: the backbone and the head run inside the outermost wrapper's
