@@ -646,3 +646,33 @@ def test_inputs_a_model_does_not_take():
         )
     with pytest.raises(ValueError, match="mm_encoder_outputs"):
         hf.causal_lm_logprobs(_model("gemma3"), lay["ids"], mm_encoder_outputs={}, **lay["kw"])
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
+def test_video_inputs_match_model_logits(name):
+    """A video (2 temporal patches of 4 x 4: 8 tokens) beside an image: pixel_values_videos
+    and video_grid_thw reach the backbone, mm_token_type_ids marks the video tokens 2."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 200, (2, 20), generator=g)
+    ids[0, 1], ids[0, 2:10] = VISION_START, VIDEO
+    ids[1, 3], ids[1, 4:8] = VISION_START, IMAGE
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0  # right padding
+    kw = {
+        "attention_mask": mask,
+        "pixel_values_videos": torch.randn(32, 24, generator=g),
+        "video_grid_thw": torch.tensor([[2, 4, 4]]),
+        "pixel_values": torch.randn(16, 24, generator=g),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "mm_token_type_ids": torch.where(ids == VIDEO, 2, (ids == IMAGE).int()),
+    }
+    doc = torch.where(mask.bool(), torch.arange(2)[:, None], -1)
+    lay = dict(ids=ids, kw=kw, model_kw=kw, doc=doc, labels=_expected_labels(ids, doc, None))
+    _check_logprobs(_model(name), lay, 0.8)
+    model = _model(name)
+    bad = dict(kw, video_grid_thw=torch.tensor([[1, 4, 4]]))  # 4 tokens, input_ids hold 8
+    with pytest.raises(ValueError, match="video_grid_thw describes 4 video tokens"):
+        hf.causal_lm_logprobs(model, ids, **dict(bad, pixel_values_videos=torch.randn(16, 24)))
+    no_video = {k: v for k, v in kw.items() if "video" not in k}
+    with pytest.raises(ValueError, match="pixel_values_videos is not given"):
+        hf.causal_lm_logprobs(model, ids, **no_video)
