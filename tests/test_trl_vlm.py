@@ -1,5 +1,6 @@
 """LogitlessGRPOTrainer on a vision-language policy with image prompts, against the real TRL
-``GRPOTrainer`` (CPU, fp32, nothing downloaded).
+``GRPOTrainer`` (CPU, fp32, nothing downloaded). LLaVA and Gemma-3 (its processor's
+token_type_ids; TRL's token_type_ids misaligned by a right-padding processor are refused).
 
 A tiny random LLaVA (a CLIP vision tower, a Llama language model) with a processor built here
 (a word-level tokenizer, CLIP's image processor, a chat template): conversational prompts, one
@@ -64,7 +65,7 @@ def make_processor():
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-        extra_special_tokens={"image_token": "<image>"},
+        extra_special_tokens={"image_token": "<image>"}, padding_side="left",
     )  # fmt: skip
     template = (
         "{% for m in messages %}<user> {% for c in m['content'] %}{% if c['type'] == 'image' %}"
@@ -121,6 +122,75 @@ def _reward(completions, **kwargs):
     return [len(t) / 10.0 + (sum(map(ord, t)) % 7) / 7.0 for t in texts]
 
 
+def make_gemma3_processor(padding_side: str = "left"):
+    """A Gemma-3 processor: ``<start_of_image>`` expands to 4 ``<image_soft_token>`` (= 250)
+    between the image delimiters; the processor returns token_type_ids (1 at image tokens).
+    Left padding, as TRL loads a processor itself (its prompt ids are left-padded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i + 3 for i in range(200)}}
+    words.update({"<image_soft_token>": IMAGE, "<start_of_image>": 251, "<end_of_image>": 252})
+    words.update({"<user>": 253, "<assistant>": 254})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>"}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+        extra_special_tokens={**special, "eoi_token": "<end_of_image>"},
+        padding_side=padding_side,
+    )  # fmt: skip
+    template = (
+        "{% for m in messages %}<user> {% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<start_of_image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    images = transformers.Gemma3ImageProcessor(
+        size={"height": 8, "width": 8}, do_pan_and_scan=False
+    )
+    return transformers.Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, chat_template=template, image_seq_length=4
+    )
+
+
+def make_gemma3_model():
+    text = transformers.Gemma3TextConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            image_size=8, patch_size=2,
+        ),
+        mm_tokens_per_image=4, image_token_id=IMAGE, boi_token_id=251, eoi_token_id=252,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+        # zero at init: no gradient would reach the vision tower
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.3)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+_FAMILIES = {
+    "llava": (make_model, make_processor),
+    "gemma3": (make_gemma3_model, make_gemma3_processor),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_gemma3")
+    make_gemma3_model().save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny LLaVA saved locally: the trainer loads the policy, and with beta > 0 the
@@ -130,7 +200,7 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def _train(cls, model_dir, tmp_path, **options):
+def _train(cls, model_dir, tmp_path, family="llava", **options):
     args = dict(
         per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
         num_iterations=2, max_steps=2, max_completion_length=6, optim="sgd", learning_rate=0.05,
@@ -140,7 +210,7 @@ def _train(cls, model_dir, tmp_path, **options):
         reward_funcs=_reward,
         args=_args(tmp_path, **(args | options)),
         train_dataset=_dataset(),
-        processing_class=make_processor(),
+        processing_class=_FAMILIES[family][1](),
     )
     assert trainer._is_vlm
     trainer.train()
@@ -149,22 +219,46 @@ def _train(cls, model_dir, tmp_path, **options):
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"loss_type": "grpo", "beta": 0.05, "entropy_coef": 0.01}],
-    ids=["dapo", "grpo_kl_entropy"],
+    ("family", "options"),
+    [
+        ("llava", {}),
+        ("llava", {"loss_type": "grpo", "beta": 0.05, "entropy_coef": 0.01}),
+        ("gemma3", {"loss_type": "grpo", "beta": 0.05}),
+    ],
+    ids=["llava-dapo", "llava-grpo_kl_entropy", "gemma3-grpo_kl"],
 )
-def test_train_on_images_matches_trl(options, model_dir, tmp_path):
+def test_train_on_images_matches_trl(family, options, model_dir, gemma3_dir, tmp_path):
     """Generation from image prompts, rewards, 2 iterations (off-policy old log-probs on the
     second), gradient accumulation 2: the same losses, metrics and weights as stock TRL, and
-    the vision tower and projector trained."""
-    stock_log, stock_params = _train(trl.GRPOTrainer, model_dir, tmp_path / "a", **options)
-    ours_log, ours_params = _train(LogitlessGRPOTrainer, model_dir, tmp_path / "b", **options)
-    initial = {n: p.detach() for n, p in make_model().named_parameters()}
+    the vision tower and projector trained. Gemma-3: its processor's token_type_ids too."""
+    path = gemma3_dir if family == "gemma3" else model_dir
+    runs = [
+        _train(cls, path, tmp_path / sub, family, **options)
+        for cls, sub in ((trl.GRPOTrainer, "a"), (LogitlessGRPOTrainer, "b"))
+    ]
+    (stock_log, stock_params), (ours_log, ours_params) = runs
+    initial = {n: p.detach() for n, p in _FAMILIES[family][0]().named_parameters()}
     moved = assert_same_run(stock_log, stock_params, ours_log, ours_params, initial)
     assert moved > 0
     vision = [n for n in initial if n.startswith(("model.vision_tower.", "model.multi_modal"))]
     trained = [n for n in vision if not torch.equal(ours_params[n], initial[n])]
     assert trained and any(n.startswith("model.multi_modal_projector.") for n in trained)
+    assert any(n.startswith("model.vision_tower.") for n in trained)
+
+
+def test_misaligned_token_type_ids_are_refused(gemma3_dir, tmp_path):
+    """A processor that pads on the right, passed to TRL (which left-pads the prompt ids it
+    takes from the chat template): TRL's token_type_ids then sit one pad off the image tokens
+    of left-padded rows, and stock TRL runs on with Gemma-3's bidirectional image mask on the
+    wrong tokens. The adapter refuses the batch, naming token_type_ids."""
+    trainer = LogitlessGRPOTrainer(
+        model=gemma3_dir, reward_funcs=_reward,
+        args=_args(tmp_path, per_device_train_batch_size=4, num_generations=4, max_steps=1,
+                   max_completion_length=4),
+        train_dataset=_dataset(), processing_class=make_gemma3_processor("right"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="token_type_ids must be 1 at token id 250"):
+        trainer.train()
 
 
 def test_scoring_in_chunks_slices_the_images(tmp_path):
