@@ -39,6 +39,16 @@ def test_trl_step_runs(tmp_path):
     assert (tmp_path / "trl_step.csv").read_text().count("\n") == 3  # header + 2 rows
 
 
+def test_hf_vlm_step_runs():
+    out = _run(
+        "hf_vlm_step.py",
+        *("--vocab", "512", "--batch", "2", "--seq", "80", "--prompt", "72", "--repeats", "1"),
+    )
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert {"logits", "logitless"} <= rows.keys(), out
+    assert rows["logits"][-1] == rows["logitless"][-1], "the two paths' losses differ"
+
+
 def test_vocab_parallel_runs(tmp_path):
     csv = tmp_path / "vp.csv"
     out = _run(

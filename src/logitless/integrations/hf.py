@@ -13,10 +13,13 @@ compare with ``model(...).logits`` (see :data:`SUPPORTED_MODELS`): the logits ar
 ``lm_head(final hidden states)``, plus Gemma-2/3's final-logit soft-capping (passed to the op
 as ``softcap``) or Cohere's / Granite's constant logit scale (passed as ``logit_scale``); the
 mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral) add their router's load-balancing
-loss to :func:`causal_lm_policy_loss` as their forward does. Anything else, including a
-subclass that overrides ``forward`` and a head that is not a plain ``nn.Linear`` (LoRA on
-``lm_head``, quantized heads), is refused with ``ValueError`` rather than risk different
-numbers.
+loss to :func:`causal_lm_policy_loss` as their forward does. The vision-language classes
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, Gemma-3, LLaVA:
+:mod:`~logitless.integrations.hf_vlm`) take their image inputs by their own names in
+``**model_kwargs`` and Qwen's multimodal ``[3, B, T]`` position ids; their head is the same.
+Anything else, including a subclass that overrides ``forward`` and a head that is not a
+plain ``nn.Linear`` (LoRA on ``lm_head``, quantized heads), is refused with ``ValueError``
+rather than risk different numbers.
 
 **Wrapped models.** ``DistributedDataParallel``, FSDP2 (``fully_shard``) and PEFT LoRA models
 are accepted as they are: the backbone and the head run inside the outermost wrapper's
@@ -69,11 +72,11 @@ from ..types import Divergence, LogProbs
 from . import hf_seam
 from .hf_batch import (
     MASK_DTYPES,
-    POS_DTYPES,
     ModelBatch,
     batch_labels,
     check_input_ids,
     check_like_ids,
+    check_position_ids,
 )
 from .hf_model import (
     SUPPORTED_MODELS,
@@ -85,7 +88,7 @@ from .hf_model import (
     run_backbone,
 )
 from .seam import LossInputs
-from .wrappers import run_in_forward
+from .wrappers import run_in_forward, unwrap
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -117,6 +120,8 @@ _RESERVED_KWARGS = frozenset(
         "output_hidden_states",
         "return_dict",
         "cache_position",
+        "cache",
+        "mm_encoder_outputs",
     }
 )
 
@@ -235,7 +240,7 @@ def causal_lm_hidden_states(
     if attention_mask is not None:
         check_like_ids("attention_mask", attention_mask, input_ids, MASK_DTYPES)
     if position_ids is not None:
-        check_like_ids("position_ids", position_ids, input_ids, POS_DTYPES)
+        check_position_ids(position_ids, input_ids)
     args = (input_ids, attention_mask, position_ids, model_kwargs)
     return run_in_forward(model, lambda lm: run_backbone(lm, *args).hidden)
 
@@ -542,6 +547,8 @@ def causal_lm_divergence(
     )
     check_model(model)
     check_model(teacher)
+    batch.check_backbone(unwrap(model).model, model_kwargs)
+    batch.check_backbone(unwrap(teacher).model, model_kwargs)
     labels = batch.targets(ignore_index, False)
     with torch.no_grad():
         t_hidden, t_head = run_in_forward(teacher, hf_seam.teacher_in_forward, batch, model_kwargs)

@@ -24,6 +24,7 @@ from ..packing import (
     position_documents,
 )
 from .hf_model import Backbone, run_backbone
+from .hf_vlm import check_backbone_inputs, text_positions
 
 __all__ = [
     "MASK_DTYPES",
@@ -34,6 +35,7 @@ __all__ = [
     "check_input_ids",
     "check_like_ids",
     "check_model_inputs",
+    "check_position_ids",
     "document_ids_of",
     "model_position_ids",
 ]
@@ -86,6 +88,30 @@ MASK_DTYPES = (
 POS_DTYPES = (torch.int32, torch.int64)
 
 
+def check_position_ids(position_ids: object, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` position ids, or multimodal rotary ones ``[3, B, T]`` / ``[4, B, T]`` (text
+    positions first) as the Qwen vision-language models take them; which rank a model takes is
+    checked with the model (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`)."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        if position_ids.shape[0] not in (3, 4) or position_ids.shape[1:] != input_ids.shape:
+            raise ValueError(
+                f"position_ids must have input_ids' shape {_shape(input_ids)}, or [3, B, T] / "
+                f"[4, B, T] (multimodal rotary positions), got {_shape(position_ids)}"
+            )
+        if position_ids.dtype not in POS_DTYPES:
+            raise ValueError(
+                f"position_ids must have a dtype in {[str(d) for d in POS_DTYPES]}, got "
+                f"{position_ids.dtype}"
+            )
+        if position_ids.device != input_ids.device:
+            raise ValueError(
+                f"position_ids must be on input_ids' device {input_ids.device}, got "
+                f"{position_ids.device}"
+            )
+        return position_ids
+    return check_like_ids("position_ids", position_ids, input_ids, POS_DTYPES)
+
+
 def _check_attention_mask(
     attention_mask: object, input_ids: torch.Tensor, capturable: bool
 ) -> torch.Tensor:
@@ -118,7 +144,7 @@ def check_model_inputs(
     if attention_mask is not None:
         mask = _check_attention_mask(attention_mask, input_ids, capturable)
     if position_ids is not None:
-        check_like_ids("position_ids", position_ids, input_ids, POS_DTYPES)
+        check_position_ids(position_ids, input_ids)
     if response_mask is not None:
         check_like_ids("response_mask", response_mask, input_ids, (torch.bool,))
     if cu_seqlens is not None:
@@ -147,6 +173,7 @@ def batch_labels(batch: ModelBatch, ignore_index: object, capturable: bool) -> t
         input_ids, batch.attention_mask, position_ids, cu_seqlens, response_mask, ignore_index,
         capturable,
     )  # fmt: skip
+    position_ids = text_positions(position_ids)  # multimodal: where documents start, or None
     if cu_seqlens is not None:
         labels = next_token_labels(input_ids, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
     elif position_ids is not None:
@@ -206,6 +233,16 @@ class ModelBatch(NamedTuple):
         )  # fmt: skip
         return t
 
+    def check_backbone(self, lm: nn.Module, model_kwargs: dict[str, Any]) -> None:
+        """The checks of what the backbone of ``lm`` will get (its multimodal inputs and
+        the rank of its position ids), before the targets are built from them."""
+        input_ids = check_input_ids(self.input_ids)
+        position_ids = self.position_ids
+        if isinstance(self.cu_seqlens, torch.Tensor) and input_ids.shape[0] == 1:
+            # what the backbone gets; a bad cu_seqlens is named by the input checks after this
+            position_ids = model_position_ids(None, self.cu_seqlens, input_ids.shape[1])
+        check_backbone_inputs(lm, input_ids, self.attention_mask, position_ids, model_kwargs)
+
     def backbone(
         self, lm: nn.Module, model_kwargs: dict[str, Any], router_logits: bool = False
     ) -> Backbone:
@@ -233,8 +270,8 @@ def document_ids_of(
         return document_ids
     if cu_seqlens is not None:
         pos = cu_seqlens_to_position_ids(cu_seqlens, total=input_ids.shape[1])[None]
-    elif position_ids is not None:
-        pos = position_ids
+    elif text_positions(position_ids) is not None:
+        pos = text_positions(position_ids)
         if attention_mask is not None:
             pos = pos.masked_fill(~attention_mask.bool(), -1)
     else:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..contract.checks import is_dtensor
+from . import hf_vlm
 from .seam import Head
 from .wrappers import FSDPModule, run_in_forward, unwrap
 
@@ -110,6 +111,10 @@ _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "MixtralForCausalLM": _no_transform,
 }
 
+# The vision-language classes (read and tested like the text ones; tests/test_hf_vlm.py):
+# their forward calls model.model with the image inputs, then lm_head, with no transform.
+_AUDITED.update({name: vl.transform for name, vl in hf_vlm.AUDITED.items()})
+
 #: Names of the transformers classes the functions of this module accept.
 SUPPORTED_MODELS: tuple[str, ...] = tuple(sorted(_AUDITED))
 
@@ -139,7 +144,8 @@ def audited_class(model: object) -> tuple[type, Callable]:
     raise ValueError(
         f"unsupported model {type(model).__name__}: logitless.integrations.hf handles "
         f"{', '.join(SUPPORTED_MODELS)} (their logits are lm_head(final hidden states), with "
-        "Gemma's soft-capping or Cohere's / Granite's logit scale). For another model, call "
+        "Gemma's soft-capping or Cohere's / Granite's logit scale; the vision-language ones "
+        "run their image inputs through model.model). For another model, call "
         "logitless.linear_logprobs on its final hidden states and head weight after checking "
         "what its forward does to the logits."
     )
@@ -277,8 +283,12 @@ def run_backbone(
     model_kwargs: dict[str, Any],
     router_logits: bool = False,
 ) -> Backbone:
-    """``lm.model(...)`` as the audited forwards call it (``use_cache=False``)."""
+    """``lm.model(...)`` as the audited forwards call it (``use_cache=False``), after the
+    checks of what it gets (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`:
+    image inputs only for the classes that take them, matching ``input_ids``; position ids of
+    the rank the model's rope takes)."""
     audited_class(lm)
+    hf_vlm.check_backbone_inputs(lm, input_ids, attention_mask, position_ids, model_kwargs)
     extra = {"output_router_logits": True} if router_logits else {}
     out = backbone_module(lm)(
         input_ids=input_ids,
@@ -323,7 +333,7 @@ def causal_lm_router_aux_coef(model: nn.Module, coef: float | None = None) -> fl
         return 0.0
     if coef is None:
         on = bool(lm.config.get_text_config().output_router_logits)
-        return float(lm.router_aux_loss_coef) if on else 0.0
+        return hf_vlm.moe_router(lm)[2] if on else 0.0
     if not (math.isfinite(float(coef)) and float(coef) >= 0):
         raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {coef}")
     return float(coef)
@@ -336,4 +346,5 @@ def router_aux_loss(
     ``load_balancing_loss_func`` on the router logits, its expert counts, the attention mask."""
     cls, _ = audited_class(lm)
     balance = sys.modules[cls.__module__].load_balancing_loss_func
-    return balance(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+    experts, top_k, _ = hf_vlm.moe_router(lm)
+    return balance(router_logits, experts, top_k, attention_mask)

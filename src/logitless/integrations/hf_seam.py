@@ -90,14 +90,19 @@ class Prepared(NamedTuple):
 
 
 def prepare(
-    model: nn.Module, batch: ModelBatch, options: HeadOptions, sampler: SamplerOptions
+    model: nn.Module,
+    batch: ModelBatch,
+    options: HeadOptions,
+    sampler: SamplerOptions,
+    model_kwargs: dict[str, Any],
 ) -> Prepared:
-    """Every check that needs no FLOP, before the backbone runs: model, inputs, targets, and
-    the head contract (one check: label range, temperature, dtypes, devices, backend, the
-    sampler's kept sets)."""
+    """Every check that needs no FLOP, before the backbone runs: model, inputs (the image
+    inputs of a vision-language model among them), targets, and the head contract (one check:
+    label range, temperature, dtypes, devices, backend, the sampler's kept sets)."""
     head = head_for_checks(model)
     backbone_module(model)
     input_ids = check_input_ids(batch.input_ids)
+    batch.check_backbone(model, model_kwargs)
     if input_ids.device != head.weight.device:
         raise ValueError(
             f"input_ids must be on the model's device {head.weight.device}, got {input_ids.device}"
@@ -121,7 +126,7 @@ def logprobs_in_forward(
 ) -> LogProbs:
     """:func:`~logitless.integrations.hf.causal_lm_logprobs` on the unwrapped model ``lm``,
     inside its wrapper's forward (or inside the model's own forward, as verl calls it)."""
-    prep = prepare(lm, batch, options, sampler)
+    prep = prepare(lm, batch, options, sampler, model_kwargs)
     hidden = batch.backbone(lm, model_kwargs).hidden
     return with_head(lm, _logprobs_on_head, prep, hidden)
 
@@ -156,7 +161,7 @@ def policy_loss_in_forward(
     inside its wrapper's forward. ``inputs.teacher``: the teacher's ``[B, T, H_t]`` hidden
     states and head (:func:`teacher_in_forward`), or None."""
     aux_coef = causal_lm_router_aux_coef(lm, loss_options.router_aux_loss_coef)
-    prep = prepare(lm, batch, options, sampler)
+    prep = prepare(lm, batch, options, sampler, model_kwargs)
     call = prep.call
     document_ids = document_ids_of(
         inputs.document_ids, batch.attention_mask, batch.position_ids, batch.cu_seqlens,

@@ -41,10 +41,18 @@ gradients and FSDP2 gathers and reduce-scatters the parameters as for ``model(..
 LoRA policy trains its adapters (the reference log-probs with the adapter disabled, as TRL
 does); an MoE policy gets TRL's router load-balancing loss from the same backbone call.
 
+**Vision-language models** (the classes :mod:`logitless.integrations.hf` audits: Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL and its MoE, Gemma-3, LLaVA): the batch's image inputs (``pixel_values``,
+``image_grid_thw``, ``image_sizes``, the type ids) go to the backbone by their own names, sliced
+per row as TRL slices them when it scores in chunks (``num_images`` per row); the model's own
+multimodal rope positions come from ``mm_token_type_ids``, as in TRL's forward.
+
 **Not supported** (raised by name before training starts, see :func:`check_trainer`): the
 ``vespo`` loss, ``top_entropy_quantile < 1`` together with an entropy bonus, adaptive entropy
-control, ``cast_lm_head_to_fp32``, vision-language models, models outside
-:data:`logitless.integrations.hf.SUPPORTED_MODELS`, FSDP1 and DeepSpeed (untested: no machine
+control, ``cast_lm_head_to_fp32``, models outside
+:data:`logitless.integrations.hf.SUPPORTED_MODELS` (and the image inputs of the
+vision-language classes they include: ``pixel_attention_mask``, ``spatial_shapes``,
+``num_tiles``, ``image_position_ids``), FSDP1 and DeepSpeed (untested: no machine
 of this project runs it), ``delta < 1 + epsilon_high`` and ``cispo`` with ``epsilon_high < 1``.
 
 Tested with TRL 1.16 (``pip install -e '.[trl]'`` in a logitless checkout installs it).
@@ -64,7 +72,7 @@ from ..contract.options import HeadOptions
 from ..losses import LossNormalizer, PolicyLossConfig
 from ..ops.fused_loss.op import fused_policy_loss
 from ..ops.logprobs.op import linear_logprobs
-from . import hf, hf_model
+from . import hf, hf_model, hf_vlm
 from .seam import Head
 from .trl_common import CompletionLayout, completion_batch, distributed_problem
 
@@ -382,8 +390,6 @@ def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
             "TRL replaces lm_head.forward, which logitless reads as a plain nn.Linear; pass "
             "a model whose lm_head is already float32 instead",
         )
-    if getattr(trainer, "_is_vlm", False):
-        raise _unsupported("a vision-language model", "logitless handles text-only causal LMs")
     problem = distributed_problem(trainer.accelerator)
     if problem is not None:
         raise _unsupported("this distributed setup", problem)
@@ -394,6 +400,57 @@ def check_trainer(trainer: GRPOTrainer) -> PolicyLossConfig:
         if problem is not None:
             raise _unsupported(f"this {name}", problem)
     return config
+
+
+# The multimodal fields TRL 1.16's GRPOTrainer passes to its forward
+# (_get_per_token_logps_and_entropies), and those of the classes logitless audits.
+_TRL_MULTIMODAL = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)  # fmt: skip
+_AUDITED_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "image_sizes")
+_AUDITED_MULTIMODAL += ("token_type_ids", "mm_token_type_ids")
+
+
+def _check_multimodal(fields: dict[str, Any]) -> dict[str, Any]:
+    """TRL's multimodal fields of a batch; those of classes logitless does not audit (tiled
+    or patch-packed images: LFM2-VL, InternVL, SmolVLM, ...) refused by name."""
+    other = sorted(k for k, v in fields.items() if v is not None and k not in _AUDITED_MULTIMODAL)
+    if other:
+        raise _unsupported(
+            ", ".join(other),
+            "these image inputs belong to vision-language classes logitless does not audit "
+            f"(it runs {', '.join(sorted(hf_vlm.AUDITED))})",
+        )
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _image_rows(fields: dict[str, Any], rows: slice) -> dict[str, Any]:
+    """The model's image inputs of batch rows ``rows`` from TRL's batch fields (``num_images``
+    per row; Qwen's ``pixel_values`` one row per patch of ``image_grid_thw``, the others' one
+    image per row; the type ids per token), as GRPOTrainer slices them for its forward."""
+    out: dict[str, Any] = {}
+    num_images = fields.get("num_images")
+    pixels, grid = fields.get("pixel_values"), fields.get("image_grid_thw")
+    if pixels is not None:
+        if num_images is None:
+            raise ValueError("pixel_values without num_images (images per row) in the batch")
+        first = sum(num_images[: rows.start])
+        last = first + sum(num_images[rows])
+        if grid is not None:  # one row of pixel_values per patch
+            patches = [0, *grid.prod(-1).cumsum(0).tolist()]
+            out["pixel_values"] = pixels[patches[first] : patches[last]]
+            out["image_grid_thw"] = grid[first:last]
+        else:
+            out["pixel_values"] = pixels[first:last]
+        if fields.get("image_sizes") is not None:
+            out["image_sizes"] = fields["image_sizes"][first:last]
+        if not out["pixel_values"].shape[0]:  # text-only rows
+            out = {}
+    for name in ("token_type_ids", "mm_token_type_ids"):
+        if fields.get(name) is not None:
+            out[name] = fields[name][rows]
+    return out
 
 
 class _Step(NamedTuple):
@@ -453,11 +510,9 @@ class LogitlessGRPOMixin:
         compute_aux_loss=False,
         **multimodal,
     ):
-        given = sorted(k for k, v in multimodal.items() if v is not None)
-        if given or compute_aux_loss:
-            raise _unsupported(
-                ", ".join(given) or "compute_aux_loss", "logitless handles text-only causal LMs"
-            )
+        if compute_aux_loss:
+            raise _unsupported("compute_aux_loss", "the scoring passes take no router loss")
+        _check_multimodal(multimodal)
         total = input_ids.shape[1]
         layout = CompletionLayout(total - logits_to_keep, logits_to_keep)
         response = attention_mask.bool().clone()
@@ -475,6 +530,7 @@ class LogitlessGRPOMixin:
                     with_entropy=compute_entropy,
                     temperature=self.temperature,
                     batch_invariant=self.logitless_batch_invariant,
+                    **_image_rows(multimodal, rows),
                 )
             logps.append(layout.to_trl(out.logprobs))
             if compute_entropy:
@@ -515,8 +571,10 @@ class LogitlessGRPOMixin:
             input_ids, attention_mask=attention_mask, response_mask=layout.response_mask(mask)
         )
         with self.accelerator.autocast():
+            images = _check_multimodal({k: inputs.get(k) for k in _TRL_MULTIMODAL})
+            images = _image_rows(images, slice(0, input_ids.shape[0]))
             out = hf_model.run_backbone(
-                lm, input_ids, attention_mask, None, {}, router_logits=self.aux_loss_enabled
+                lm, input_ids, attention_mask, None, images, router_logits=self.aux_loss_enabled
             )
             head_options = HeadOptions(
                 temperature=float(opts.temperature),

@@ -21,9 +21,16 @@ Mixed precision: with ``bf16=True`` (TRL's default) stock TRL computes this loss
 accelerator's autocast (its forward redirection replaces the forward accelerate wraps in
 autocast), so both models and heads run in their own dtype; so does this trainer.
 
+Vision-language models (the classes :mod:`logitless.integrations.hf` audits) run with the
+micro-batch's image inputs passed to both backbones by their own names, as TRL passes them;
+each model's head follows its own class's forward (Gemma-3's ``Gemma3ForConditionalGeneration``
+applies no soft-capping, where TRL's chunked loss reads ``final_logit_softcapping`` from the
+text config and would apply it).
+
 Refused before training (``ValueError`` naming the reason): models outside
-:data:`logitless.integrations.hf.SUPPORTED_MODELS` (student or teacher), vision-language
-models, FSDP1 and DeepSpeed. Tested with TRL 1.16 (tests/test_trl_distill.py).
+:data:`logitless.integrations.hf.SUPPORTED_MODELS` (student or teacher), image inputs of
+classes logitless does not audit, FSDP1 and DeepSpeed. Tested with TRL 1.16
+(tests/test_trl_distill.py, tests/test_trl_vlm.py).
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ except ImportError as e:  # pragma: no cover - exercised only without TRL
 __all__ = ["LogitlessDistillationMixin", "LogitlessDistillationTrainer", "check_distillation"]
 
 
+# The multimodal fields of a micro-batch TRL 1.16's DistillationTrainer passes to both models
+_MULTIMODAL = (
+    "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+    "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)  # fmt: skip
+
+
 def _unsupported(what: str, reason: str) -> ValueError:
     return ValueError(
         f"LogitlessDistillationTrainer cannot honour {what}: {reason}. Use "
@@ -58,8 +72,6 @@ def check_distillation(trainer: DistillationTrainer) -> None:
 
     :class:`LogitlessDistillationMixin` calls it at the end of ``__init__`` and at each loss.
     """
-    if getattr(trainer, "_is_vlm", False):
-        raise _unsupported("a vision-language model", "logitless handles text-only causal LMs")
     if trainer.teacher_model is None:
         raise _unsupported("a run without a teacher model", "the divergence needs its head")
     problem = distributed_problem(trainer.accelerator)  # the GRPO trainer's rule too
@@ -104,11 +116,14 @@ class LogitlessDistillationMixin:
         # redirection, which swaps out the forward accelerate wraps in autocast, so under
         # bf16=True both backbones and heads run in the models' own dtype. So does this call
         # (run_in_forward borrows the forward the same way).
+        # A vision-language micro-batch's image inputs (TRL splits them to it), to both
+        # backbones; hf refuses those of a class it does not audit.
+        images = {k: inputs[k] for k in _MULTIMODAL if inputs.get(k) is not None}
         out = hf.causal_lm_divergence(
             model, self.teacher_model, input_ids, attention_mask=attention_mask,
             response_mask=response, beta=float(self.beta),
             temperature=float(self.temperature), with_entropy=True,
-            batch_invariant=self.logitless_batch_invariant,
+            batch_invariant=self.logitless_batch_invariant, **images,
         )  # fmt: skip
         valid = mask.sum()  # TRL's count of the loss's tokens
         loss = out.divergence.sum()

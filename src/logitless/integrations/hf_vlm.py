@@ -1,0 +1,387 @@
+"""The HF integration's vision-language side: which multimodal classes are audited, and the
+checks of their image inputs before the backbone runs.
+
+Package-internal (:mod:`~logitless.integrations.hf_model` reads :data:`AUDITED` for its model
+table and calls :func:`check_backbone_inputs` before every backbone call). It imports no other
+integration module.
+
+A vision-language class of transformers runs, in its forward, ``self.model(input_ids,
+pixel_values=..., ..., position_ids=..., attention_mask=...)`` (the vision tower, the projector,
+the image features scattered into the image-token positions of the embeddings, then the
+language model with its final norm) and then ``logits = self.lm_head(hidden)``: the head is the
+same linear layer as a text model's, what differs is the backbone call. Each entry of
+:data:`AUDITED` names the forward's own image / video arguments, which pass to ``model.model``
+by their own names; any multimodal name the class does not take is refused (its backbone would
+drop it through ``**kwargs`` and return the hidden states of the text alone).
+
+Read in transformers 5.24's modeling files:
+
+- ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
+  ``Qwen3VLForConditionalGeneration`` and ``Qwen3VLMoeForConditionalGeneration``:
+  ``logits = lm_head(model(...).last_hidden_state)``, no transform; the MoE one adds the
+  router's load-balancing loss with ``config.text_config``'s counts and weight. Rotary position
+  ids are multimodal: ``[3, B, T]`` (temporal, height, width; ``model.model.get_rope_index``)
+  or ``[4, B, T]`` with the text positions first (what a packed row passes, so attention stops
+  at document ends); ``None`` lets the model compute them from ``mm_token_type_ids`` and the
+  grids. A 2-D ``position_ids`` is accepted by the model and broadcast to the three sections,
+  which gives other hidden states than the processor's inputs: refused.
+- ``Gemma3ForConditionalGeneration``: ``logits = lm_head(hidden)`` with **no** final-logit
+  soft-capping, although its text config may carry ``final_logit_softcapping`` (the text-only
+  ``Gemma3ForCausalLM`` applies it; this class's forward does not). ``token_type_ids`` (1 at
+  image tokens) makes attention bidirectional within an image.
+- ``LlavaForConditionalGeneration``: ``logits = lm_head(hidden)``; the image features come
+  from the vision tower's ``vision_feature_layer`` (by default the one before the last).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..contract.checks import fmt_shape as _shape
+
+__all__ = [
+    "AUDITED",
+    "MULTIMODAL_INPUTS",
+    "VisionLanguage",
+    "check_backbone_inputs",
+    "moe_router",
+    "text_positions",
+]
+
+
+def _none(model: nn.Module) -> tuple[float | None, float]:
+    return None, 1.0
+
+
+class VisionLanguage(NamedTuple):
+    """An audited vision-language class: what its forward does after ``lm_head`` (softcap,
+    logit scale), its image / video arguments, whether its rope position ids are multimodal
+    (``[3, B, T]``), and the check of its image inputs against ``input_ids``."""
+
+    transform: Callable[[nn.Module], tuple[float | None, float]]
+    inputs: frozenset[str]
+    mrope: bool
+    check: Callable[[nn.Module, torch.Tensor, torch.Tensor | None, Mapping[str, Any]], None]
+
+
+def _count(input_ids: torch.Tensor, token_id: int, attention_mask: torch.Tensor | None) -> int:
+    hits = input_ids == token_id
+    if attention_mask is not None:
+        hits = hits & attention_mask.bool()
+    return int(hits.sum())
+
+
+def _tensor(name: str, t: object, input_ids: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {_shape(t)}")
+    if t.device != input_ids.device:
+        raise ValueError(f"{name} must be on input_ids' device {input_ids.device}, got {t.device}")
+    return t
+
+
+def _pair(
+    kwargs: Mapping[str, Any],
+    pixels: str,
+    what: str,
+    token_id: int,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> int:
+    """The number of ``what`` placeholder tokens of ``input_ids``; refuses placeholders without
+    ``pixels`` and ``pixels`` without placeholders (either would give a silently wrong row)."""
+    tokens = _count(input_ids, token_id, attention_mask)
+    given = kwargs.get(pixels) is not None
+    if tokens and not given:
+        raise ValueError(
+            f"input_ids holds {tokens} {what} tokens (id {token_id}) but {pixels} is not given: "
+            f"the model would embed them as text. Pass the processor's {pixels}"
+        )
+    if given and not tokens:
+        raise ValueError(
+            f"{pixels} is given but input_ids holds no {what} token (id {token_id}, outside "
+            "padding): the features would have nowhere to go"
+        )
+    return tokens
+
+
+def _check_qwen(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: Mapping[str, Any],
+) -> None:
+    cfg = model.config
+    merge = int(cfg.vision_config.spatial_merge_size)
+    image = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
+    video = _pair(
+        kwargs, "pixel_values_videos", "video", cfg.video_token_id, input_ids, attention_mask
+    )
+    for kind, tokens, pixels, grid_name in (
+        ("image", image, "pixel_values", "image_grid_thw"),
+        ("video", video, "pixel_values_videos", "video_grid_thw"),
+    ):
+        grid = kwargs.get(grid_name)
+        if (grid is None) != (kwargs.get(pixels) is None):
+            missing = grid_name if grid is None else pixels
+            raise ValueError(
+                f"{missing} must be given with {pixels if grid is None else grid_name}"
+            )
+        if grid is None:
+            continue
+        grid = _tensor(grid_name, grid, input_ids, dim=2)
+        if grid.shape[1] != 3 or grid.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{grid_name} must be an integer [num_{kind}s, 3] tensor (t, h, w patches), got "
+                f"dtype {grid.dtype} and shape {_shape(grid)}"
+            )
+        if bool((grid <= 0).any()) or bool((grid[:, 1:] % merge != 0).any()):
+            raise ValueError(
+                f"{grid_name} must hold positive (t, h, w) with h and w multiples of the "
+                f"spatial merge size {merge}, got {grid.tolist()}"
+            )
+        patches = grid.prod(-1)
+        pix = _tensor(pixels, kwargs[pixels], input_ids, dim=2)
+        if pix.shape[0] != int(patches.sum()):
+            raise ValueError(
+                f"{pixels} must have one row per patch of {grid_name}: {int(patches.sum())} "
+                f"rows, got shape {_shape(pix)}"
+            )
+        per = (patches // (merge * merge)).tolist()
+        if sum(per) != tokens:
+            raise ValueError(
+                f"{grid_name} describes {sum(per)} {kind} tokens ({per} after the {merge}x{merge} "
+                f"merge), but input_ids holds {tokens} (id {getattr(cfg, f'{kind}_token_id')})"
+            )
+        if kind == "image":
+            runs = _runs(input_ids, cfg.image_token_id, attention_mask)
+            if runs != per:
+                raise ValueError(
+                    f"image_grid_thw does not match input_ids' images: in row order its images "
+                    f"have {per} tokens, the runs of image tokens in input_ids {runs}"
+                )
+    _check_type_ids(
+        "mm_token_type_ids", kwargs, input_ids,
+        {1: cfg.image_token_id, 2: cfg.video_token_id},
+        required=(image or video) and kwargs.get("position_ids") is None,
+    )  # fmt: skip
+
+
+def _runs(input_ids: torch.Tensor, token_id: int, attention_mask: torch.Tensor | None) -> list:
+    """The lengths of the runs of ``token_id`` in ``input_ids``, row-major (padding skipped)."""
+    out = []
+    for b in range(input_ids.shape[0]):
+        row = input_ids[b]
+        if attention_mask is not None:
+            row = row[attention_mask[b].bool()]
+        hits = torch.cat([row.new_zeros(1), (row == token_id).long(), row.new_zeros(1)])
+        edges = hits.diff()
+        starts, ends = (edges == 1).nonzero().squeeze(1), (edges == -1).nonzero().squeeze(1)
+        out += (ends - starts).tolist()
+    return out
+
+
+def _check_type_ids(
+    name: str,
+    kwargs: Mapping[str, Any],
+    input_ids: torch.Tensor,
+    kinds: dict[int, int],
+    required: bool,
+) -> None:
+    """``name`` (``[B, T]``: ``k`` at the tokens ``kinds[k]``, 0 elsewhere) agrees with
+    ``input_ids``; ``required``: it must be given."""
+    t = kwargs.get(name)
+    if t is None:
+        if required:
+            raise ValueError(
+                f"{name} must be given with image or video inputs (the processor returns it; "
+                "the model builds its multimodal rope positions from it)"
+            )
+        return
+    t = _tensor(name, t, input_ids)
+    if t.shape != input_ids.shape:
+        raise ValueError(f"{name} must have input_ids' shape {_shape(input_ids)}, got {_shape(t)}")
+    expected = torch.zeros_like(input_ids)
+    for k, token_id in kinds.items():
+        expected = torch.where(input_ids == token_id, k, expected)
+    if not torch.equal(t.to(expected.dtype), expected):
+        marks = ", ".join(f"{k} at token id {i}" for k, i in kinds.items())
+        raise ValueError(f"{name} must be {marks} and 0 elsewhere; it disagrees with input_ids")
+
+
+def _pixels(kwargs: Mapping[str, Any], input_ids: torch.Tensor) -> torch.Tensor | None:
+    pix = kwargs.get("pixel_values")
+    return None if pix is None else _tensor("pixel_values", pix, input_ids, dim=4)
+
+
+def _check_per_image(
+    tokens: int, pix: torch.Tensor | None, per_image: int | None, token_id: int
+) -> None:
+    if pix is None or per_image is None:
+        return
+    if tokens != pix.shape[0] * per_image:
+        raise ValueError(
+            f"pixel_values holds {pix.shape[0]} images of {per_image} tokens each, but input_ids "
+            f"holds {tokens} image tokens (id {token_id})"
+        )
+
+
+def _check_gemma3(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: Mapping[str, Any],
+) -> None:
+    cfg = model.config
+    tokens = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
+    _check_per_image(
+        tokens, _pixels(kwargs, input_ids), cfg.mm_tokens_per_image, cfg.image_token_id
+    )
+    _check_type_ids("token_type_ids", kwargs, input_ids, {1: cfg.image_token_id}, required=False)
+
+
+def _check_llava(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: Mapping[str, Any],
+) -> None:
+    cfg = model.config
+    tokens = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
+    vision = cfg.vision_config
+    per_image = None
+    if vision.model_type in ("clip_vision_model", "siglip_vision_model"):  # a fixed patch grid
+        per_image = (vision.image_size // vision.patch_size) ** 2
+        strategy = kwargs.get("vision_feature_select_strategy")
+        strategy = cfg.vision_feature_select_strategy if strategy is None else strategy
+        if strategy == "full" and vision.model_type == "clip_vision_model":
+            per_image += 1  # CLIP's class token is kept
+    _check_per_image(tokens, _pixels(kwargs, input_ids), per_image, cfg.image_token_id)
+
+
+_QWEN_INPUTS = frozenset(
+    {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids"}
+)
+_QWEN = VisionLanguage(_none, _QWEN_INPUTS, True, _check_qwen)
+
+#: Audited vision-language class -> what its forward does and takes (see the module doc).
+AUDITED: dict[str, VisionLanguage] = {
+    "Qwen2VLForConditionalGeneration": _QWEN,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN._replace(
+        inputs=_QWEN_INPUTS | {"second_per_grid_ts"}
+    ),
+    "Qwen3VLForConditionalGeneration": _QWEN,
+    "Qwen3VLMoeForConditionalGeneration": _QWEN,
+    "Gemma3ForConditionalGeneration": VisionLanguage(
+        _none, frozenset({"pixel_values", "token_type_ids"}), False, _check_gemma3
+    ),
+    "LlavaForConditionalGeneration": VisionLanguage(
+        _none,
+        frozenset(
+            {
+                "pixel_values",
+                "image_sizes",
+                "vision_feature_layer",
+                "vision_feature_select_strategy",
+            }
+        ),
+        False,
+        _check_llava,
+    ),
+}
+
+#: Every image / video argument name of the audited classes: refused for a model that does not
+#: take it (a text model's backbone would drop it and return the text's hidden states alone).
+MULTIMODAL_INPUTS: frozenset[str] = frozenset().union(
+    *(v.inputs for v in AUDITED.values()),
+    # and those of classes not audited that trainers pass (TRL: LFM2-VL, InternVL, Gemma-4)
+    {"pixel_attention_mask", "spatial_shapes", "image_position_ids", "mm_encoder_outputs"},
+)
+
+
+def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[B, T]`` text positions that say where documents start: 2-D position ids
+    themselves, row 0 of ``[4, B, T]`` multimodal ones (transformers' packed form: text
+    positions, then the three rope sections), None for ``[3, B, T]`` (whose sections do not
+    restart per document: each row is one sequence, as the model's attention treats it)."""
+    if position_ids is None or position_ids.dim() == 2:
+        return position_ids
+    return position_ids[0] if position_ids.shape[0] == 4 else None
+
+
+def _check_position_ids(
+    name: str, spec: VisionLanguage | None, position_ids: object, input_ids: torch.Tensor
+) -> None:
+    if position_ids is None:
+        return
+    if not isinstance(position_ids, torch.Tensor):
+        raise ValueError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    if spec is not None and spec.mrope:
+        want = "[3, B, T] (or [4, B, T], text positions first, for packed rows)"
+        ok = position_ids.dim() == 3 and position_ids.shape[0] in (3, 4)
+        ok = ok and position_ids.shape[1:] == input_ids.shape
+        if not ok:
+            hint = ""
+            if position_ids.dim() == 2:
+                hint = (
+                    ": 2-D position ids are broadcast to the three rope sections and give other "
+                    "hidden states than the processor's inputs (cu_seqlens gives 2-D ones: pass "
+                    "[4, 1, T] position ids instead). Pass model.model.get_rope_index(...)[0], or "
+                    "None to let the model compute them"
+                )
+            raise ValueError(
+                f"{name} uses multimodal rotary positions: position_ids must have shape {want} "
+                f"with input_ids' [B, T] = {_shape(input_ids)}, got {_shape(position_ids)}{hint}"
+            )
+    elif position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids must have input_ids' shape {_shape(input_ids)} for {name}, got "
+            f"{_shape(position_ids)}"
+        )
+
+
+def check_backbone_inputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    model_kwargs: Mapping[str, Any],
+) -> None:
+    """What the backbone of ``model`` (unwrapped, audited) gets, checked before it runs: the
+    multimodal arguments it takes and only those; for a vision-language class, image tokens in
+    ``input_ids`` with their pixel values and the reverse, grids and per-image token counts
+    that match, the type ids, and position ids of the rank its rope takes."""
+    name = type(model).__name__
+    spec = next((AUDITED[c.__name__] for c in type(model).__mro__ if c.__name__ in AUDITED), None)
+    taken = spec.inputs if spec is not None else frozenset()
+    foreign = sorted(k for k in MULTIMODAL_INPUTS - taken if model_kwargs.get(k) is not None)
+    if foreign:
+        raise ValueError(
+            f"{', '.join(foreign)} given, but {name} does not take "
+            f"{'them' if len(foreign) > 1 else 'it'}: its backbone would drop "
+            f"{'them' if len(foreign) > 1 else 'it'} and return the hidden states of the text "
+            "alone" + ("" if spec is None else f" ({name} takes {', '.join(sorted(spec.inputs))})")
+        )
+    _check_position_ids(name, spec, position_ids, input_ids)
+    if spec is not None:
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+        spec.check(model, input_ids, mask, {**model_kwargs, "position_ids": position_ids})
+
+
+def moe_router(model: nn.Module) -> tuple[int, int, float]:
+    """An MoE model's ``(num_experts, experts per token, router_aux_loss_coef)`` as its forward
+    reads them: its own attributes for the text classes, its text config for the
+    vision-language ones (Qwen3-VL-MoE's forward reads ``config.text_config``)."""
+    if type(model).__name__ in AUDITED:
+        text = model.config.get_text_config()
+        return (
+            int(text.num_experts),
+            int(text.num_experts_per_tok),
+            float(text.router_aux_loss_coef),
+        )
+    return int(model.num_experts), int(model.num_experts_per_tok), float(model.router_aux_loss_coef)
