@@ -96,7 +96,7 @@ class MegatronHead:
         return [
             g
             for g, size in (
-                (_tp_group(self.model), self.tp_size),
+                (self.model.tp_group, self.tp_size),
                 (self.model.cp_group, self.cp_size),
             )
             if size > 1
@@ -104,10 +104,6 @@ class MegatronHead:
 
 
 _VOCAB: weakref.WeakKeyDictionary[nn.Module, VocabParallel] = weakref.WeakKeyDictionary()
-
-
-def _tp_group(model: nn.Module) -> Any:
-    return model.output_layer.tp_group
 
 
 def megatron_head(model: nn.Module) -> MegatronHead:
@@ -143,16 +139,23 @@ def megatron_head(model: nn.Module) -> MegatronHead:
             "group"
         )
     tp_group = layer.tp_group
-    tp_size = tp_group.size()
     rows = layer.output_size_per_partition
     vp = None
-    if tp_size > 1:
+    if tp_group.size() > 1:
         vp = _VOCAB.get(layer)
         if vp is None or vp.group is not tp_group:
             rank = tp_group.rank()
-            vp = VocabParallel(tp_group, rank * rows, (rank + 1) * rows, vocab_size=rows * tp_size)
+            size = tp_group.size()
+            vp = VocabParallel(tp_group, rank * rows, (rank + 1) * rows, vocab_size=rows * size)
             _VOCAB[layer] = vp
-    sp = SequenceParallel(tp_group, dim=0) if layer.sequence_parallel and tp_size > 1 else None
+    return _stage(outer, inner, tp_group, layer.sequence_parallel, vp)
+
+
+def _stage(outer, inner, tp_group, sequence_parallel: bool, vp) -> MegatronHead:
+    """A pipeline stage's groups as a :class:`MegatronHead` (``vp``: the vocabulary split of
+    its head; None on a stage without one)."""
+    tp_size = tp_group.size()
+    sp = SequenceParallel(tp_group, dim=0) if sequence_parallel and tp_size > 1 else None
     cp_group = inner.cp_group
     cp_size = cp_group.size() if cp_group is not None else 1
     cp = ContextParallel(cp_group, "zigzag") if cp_size > 1 else None
@@ -164,6 +167,17 @@ def megatron_head(model: nn.Module) -> MegatronHead:
         cp_rank=cp_group.rank() if cp_size > 1 else 0,
         cp_size=cp_size,
     )
+
+
+def _layout_head(model: MegatronHead | nn.Module) -> MegatronHead:
+    """What :func:`token_layout` reads, on any pipeline stage: :func:`megatron_head` where
+    the stage has the head, else the stage's groups."""
+    if isinstance(model, MegatronHead):
+        return model
+    inner = _gpt_model(model)
+    if inner is None or inner.post_process:
+        return megatron_head(model)
+    return _stage(model, inner, inner.tp_group, inner.config.sequence_parallel, None)
 
 
 def _gpt_model(model: nn.Module) -> nn.Module | None:
@@ -192,7 +206,7 @@ def _agree(head: MegatronHead, error: ValueError | None, what: str) -> None:
 
 
 def token_layout(
-    head: MegatronHead,
+    head: MegatronHead | nn.Module,
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     packed_seq_params: Any = None,
@@ -203,8 +217,12 @@ def token_layout(
     one) and, for a packed batch, False at each sequence's padding; ``document_ids`` (int64)
     is, for a packed batch, each token's sequence index in ``packed_seq_params`` (the same on
     every context-parallel rank for a split sequence; -1 at padding), else None. Pass them to
-    :func:`step_normalizer`; the loss functions here build the same themselves.
+    :func:`step_normalizer`; the loss functions here build the same themselves. ``head``:
+    :func:`megatron_head`'s, or the model itself (a ``GPTModel`` or a wrapper around one) on
+    any pipeline stage: a stage without the head reads the layout the last stage scores, so
+    one ``forward_step`` runs unchanged on every stage.
     """
+    head = _layout_head(head)
     error: ValueError | None = None
     try:
         result = _token_layout(head, labels, loss_mask, packed_seq_params)
