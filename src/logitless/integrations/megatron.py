@@ -64,6 +64,7 @@ __all__ = [
     "logprobs",
     "main_grad_into",
     "megatron_head",
+    "output_processor_logprobs",
     "policy_loss",
     "policy_loss_step",
     "step_normalizer",
@@ -113,7 +114,7 @@ def megatron_head(model: nn.Module) -> MegatronHead:
     The first call for a model builds its :class:`~logitless.VocabParallel` (a collective call
     over the tensor-parallel group: every rank makes it); later calls reuse it.
     """
-    outer, inner = model, _gpt_model(model)
+    outer, inner = model, model if isinstance(model, _ProcessorStage) else _gpt_model(model)
     if inner is None:
         raise ValueError(
             f"model must be a megatron.core GPTModel (or a Megatron DDP / Float16Module around "
@@ -348,8 +349,9 @@ class _Batch:
         kwargs = {"packed_seq_params": packed_seq_params, **model_kwargs}
         return cls(head, tuple(inputs), kwargs, torch.where(mask, labels, IGNORE_INDEX), mask, doc)
 
-    def run(self, fn: Callable[[Tokens, Head], Any]) -> Any:
-        """Run the model; where it calls ``output_layer``, run ``fn(tokens, head)`` instead."""
+    def run(self, fn: Callable[[Tokens, Head], Any], call: Callable[[], Any] | None = None):
+        """Run the model (or ``call``); where it calls ``output_layer``, run
+        ``fn(tokens, head)`` instead."""
         head, labels = self.head, self.target
         layer = head.model.output_layer
 
@@ -366,14 +368,13 @@ class _Batch:
             # What GPTModel receives as its logits: it only transposes them; never read.
             return hidden.new_zeros(hidden.shape[0], hidden.shape[1], 0), None
 
-        kwargs = self.kwargs
-        if _takes_output_processor(type(head.model)):
-            kwargs = {**kwargs, "output_processor": _in_output_processor}
+        if call is None:
+            kwargs = self.kwargs
+            if _takes_output_processor(type(head.model)):
+                kwargs = {**kwargs, "output_processor": _in_output_processor}
+            call = lambda: head.outer(*self.args, **kwargs)  # noqa: E731
         result: list[Any] = []
-        seam.run_as_forward(
-            layer, in_output_layer, lambda: head.outer(*self.args, **kwargs),
-            caller="GPTModel.forward",
-        )  # fmt: skip
+        seam.run_as_forward(layer, in_output_layer, call, caller="GPTModel.forward")
         return result[-1]
 
     def teacher(self, teacher: nn.Module) -> tuple[Tokens, Head]:
@@ -410,6 +411,54 @@ def _in_output_processor(*, hidden_states, output_layer, output_weight=None,
         hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
     )
     return out
+
+
+@dataclass(frozen=True)
+class _ProcessorStage:
+    """What :func:`megatron_head` reads of a ``GPTModel``, from the arguments
+    ``GPTModel.forward`` hands an ``output_processor`` (the model itself is not among them)."""
+
+    output_layer: nn.Module
+    config: Any
+    tp_group: Any
+    cp_group: Any
+    post_process: bool = True
+    mtp_process: bool = False
+    share_embeddings_and_output_weights: bool = False
+
+
+def output_processor_logprobs(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: nn.Module,
+    output_weight: torch.Tensor | None,
+    labels: torch.Tensor,
+    config: Any,
+    packed_seq_params: Any = None,
+    loss_mask: torch.Tensor | None = None,
+    **options: Any,
+) -> LogProbs:
+    """:func:`logprobs` from inside an ``output_processor`` that ``GPTModel.forward`` calls
+    (megatron-core 0.18+), on the arguments it hands one: the hidden states ``[S, B, H]``
+    (this rank's sequence shard under sequence parallelism), ``output_layer``, the tied
+    weight (``output_weight``), the labels ``[B, S]``, the config, ``packed_seq_params``.
+    The head runs as ``output_layer``'s forward, so its forward pre-hooks (the distributed
+    optimizer's parameter all-gather) fire. ``options``: :func:`logprobs`'s
+    (``with_entropy``, ``temperature``, ``gradient_accumulation_fusion``, ...); a tied weight's
+    gradient goes to ``.grad`` (the processor cannot tell whether the embedding it is tied to
+    lives on this stage). Returns ``[B, S]`` fp32, 0 at masked and padding tokens."""
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_group() if config.context_parallel_size > 1 else None
+    stage = _ProcessorStage(output_layer, config, output_layer.tp_group, cp)
+    batch = _Batch.read(stage, (), labels, loss_mask, packed_seq_params, {})
+    head = batch.head
+    fusion = options.pop("gradient_accumulation_fusion", None)
+    options = _with_grad_into(head, False if output_weight is not None else fusion, options)
+    return batch.run(
+        lambda tokens, w: seam.logprobs(tokens, w, head.parallel, **options),
+        lambda: output_layer(hidden_states, weight=output_weight),
+    )
 
 
 def _logit_scale(model: nn.Module) -> float | None:
