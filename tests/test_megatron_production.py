@@ -589,9 +589,17 @@ TWO_RANKS = [
 ]
 
 
+FOUR_RANKS = [("pipeline:tp2_tied", (2, True, False))]
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     return spawn(_run_checks, 2, TWO_RANKS, timeout_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return spawn(_run_checks, 4, FOUR_RANKS, timeout_s=120.0)
 
 
 @pytest.mark.parametrize("name", ["bf16_head", "bf16_head:sp"])
@@ -630,3 +638,9 @@ def test_pipeline_parallel_recipe(two_ranks, name):
     both stages gives Megatron's gradients (then with tied embeddings and the per-token loss);
     bad input raises on both stages."""
     tm._passed(two_ranks, name)
+
+
+def test_pipeline_and_tensor_parallel(four_ranks):
+    """TP=2 x PP=2 on 4 ranks, tied embeddings: the recipe on both stages gives Megatron's
+    gradients on every rank."""
+    tm._passed(four_ranks, "pipeline:tp2_tied")
