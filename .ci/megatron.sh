@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# tests/test_megatron.py against the newest megatron-core, in a venv of its own (.venv-megatron):
-# megatron-core 0.17 and later need Python 3.12, where the main suite's Python 3.11 stops at
-# 0.16.x. 0.19 is the first release whose GPTModel.forward takes an output_processor, so this
-# run covers that seam and the main suite covers the output_layer-forward one. Torch on 3.12
-# comes from PyPI (a CUDA build; no GPU is needed to run it): about 5 GB, 1.5 min here.
+# tests/test_megatron.py and tests/test_megatron_production.py against the newest megatron-core,
+# and verl's Megatron engine in its hook mode (tests/verl_backend/test_verl_megatron_hook.py),
+# in a venv of their own (.venv-megatron): megatron-core 0.17 and later need Python 3.12, where
+# the main suite's Python 3.11 stops at 0.16.x. 0.19 is the first release tested whose
+# GPTModel.forward takes an output_processor, so this run covers that seam (logitless's own, and
+# the one verl 0.9 passes its fused_output_processor through) and the main suite covers the
+# output_layer-forward one. Torch on 3.12 comes from PyPI (a CUDA build; no GPU is needed to run
+# it): about 5 GB, 1.5 min here; verl adds its CPU dependencies (not its GPU extras).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -24,6 +27,8 @@ python312() {  # $PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH
 }
 
 [ -x "$VENV/bin/python" ] || "$(python312)" -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'pytest>=7' 'hypothesis>=6.80' numpy
+"$VENV/bin/pip" install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'verl>=0.9.1,<0.10' \
+    'pytest>=7' 'hypothesis>=6.80' numpy
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_megatron.py
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_megatron.py \
+    tests/test_megatron_production.py tests/verl_backend/test_verl_megatron_hook.py

@@ -34,10 +34,10 @@ config = logitless.PolicyLossConfig(clip_high=0.28, aggregation="seq_mean_token_
 def train_step(model, micro_batches, per_token=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    # The tokens each micro-batch trains on and its documents (read from packed_seq_params):
-    head = lm.megatron_head(model)
+    # The tokens each micro-batch trains on and its documents (read from packed_seq_params),
+    # on every pipeline stage (the last one scores them):
     layouts = [
-        lm.token_layout(head, mb["labels"], mb["loss_mask"], mb["packed_seq_params"])
+        lm.token_layout(model, mb["labels"], mb["loss_mask"], mb["packed_seq_params"])
         for mb in micro_batches
     ]
     normalizer = lm.step_normalizer(  # collective over the DP and CP groups

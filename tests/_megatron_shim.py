@@ -1,4 +1,4 @@
-"""Test-only: megatron-core 0.16 on CPU gloo ranks, and tiny GPTModels to test the head on.
+"""Test-only: megatron-core 0.16 / 0.19 on CPU gloo ranks, and tiny GPTModels to test the head on.
 
 megatron-core hard-codes CUDA in places that do not matter for what these tests check (the
 head); :func:`install` points them at the CPU, in the spawned test ranks only:
@@ -6,9 +6,16 @@ head); :func:`install` points them at the CPU, in the spawned test ranks only:
 - ``torch.cuda.current_device()``: where Megatron allocates its global memory buffer (the
   attention's scratch) and the output of its sequence-parallel all-gather;
 - the CUDA RNG tracker's ``fork()`` (dropout regions): a tracker whose fork does nothing;
-- ``torch.zeros(..., device="cuda")`` in the pipeline schedules (the token counter);
+- ``torch.zeros(..., device="cuda")`` and the like in the pipeline schedules (the token
+  counter), the optimizers (their scalars), the gradient clipping and ``megatron.core.utils``
+  (the local l2-norm): a ``torch`` whose factories drop ``device`` for those modules;
 - ``torch.cuda.current_stream()`` in DDP's gradient sync (0.19; it waits on CUDA-graph
-  events the CPU never records): a stream whose waits do nothing.
+  events the CPU never records): a stream whose waits do nothing;
+- ``Tensor.type()`` of a CPU floating tensor answers its CUDA name
+  (``'torch.cuda.FloatTensor'``): the distributed optimizer dispatches on it;
+- ``torch.cuda.synchronize()`` in the pipeline's point-to-point exchange: nothing;
+- ``Tensor.cuda()`` while a model is built (a tied last pipeline stage moves its copy of the
+  word embedding there before the all-reduce with the first stage): the tensor itself.
 
 The library itself needs none of this. Two things of the local (non-Transformer-Engine) layer
 spec are replaced in the model built here: its layer norm refuses ``sequence_parallel`` (TE's
@@ -53,15 +60,41 @@ class _CpuRngTracker:
 
 
 def _cpu_torch() -> types.ModuleType:
-    """``torch`` as the schedules see it: ``zeros(..., device="cuda")`` lands on the CPU."""
+    """``torch`` as megatron-core's schedules and optimizers see it: tensors created with
+    ``device="cuda"`` (token counters, the optimizers' scalars) land on the CPU."""
     proxy = types.ModuleType("torch_on_cpu")
     proxy.__dict__.update(vars(torch))
 
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, **kwargs)
+    def on_cpu(factory):
+        def make(*args, device=None, **kwargs):
+            return factory(*args, **kwargs)
 
-    proxy.zeros = zeros
+        return make
+
+    for name in ("zeros", "ones", "empty", "full", "tensor"):
+        setattr(proxy, name, on_cpu(getattr(torch, name)))
     return proxy
+
+
+_CUDA_TYPES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float16: "torch.cuda.HalfTensor",
+}
+
+
+def _tensor_type(original):
+    """``Tensor.type()`` of a CPU floating tensor as its CUDA name: the distributed optimizer
+    and the gradient clipping dispatch on it (``'torch.cuda.FloatTensor'``, ...)."""
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPES:
+            return _CUDA_TYPES[self.dtype]
+        if dtype is None:
+            return original(self)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
 
 
 class _CpuStream:
@@ -76,25 +109,54 @@ def install() -> None:
     """Point megatron-core's CUDA hard-codings at the CPU (call in each spawned rank)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.synchronize = lambda device=None: None  # the pipeline's p2p exchange
+    if not getattr(torch.Tensor.type, "_megatron_shim", False):
+        torch.Tensor.type = _tensor_type(torch.Tensor.type)
+        torch.Tensor.type._megatron_shim = True
+    from megatron.core import utils
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    schedules.torch = _cpu_torch()
+    cpu_torch = _cpu_torch()
+    for module in (
+        schedules,
+        optimizer,
+        clip_grads,
+        distrib_optimizer,
+        param_and_grad_buffer,
+        utils,
+    ):
+        module.torch = cpu_torch
 
 
-def init_parallel(tp: int = 1, cp: int = 1) -> None:
-    """``initialize_model_parallel`` on the gloo world (data-parallel size: the rest)."""
+def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, gloo_groups: bool = False) -> None:
+    """``initialize_model_parallel`` on the gloo world (data-parallel size: the rest);
+    ``gloo_groups``: also Megatron's gloo copies of its groups (the distributed optimizer's)."""
     install()
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
-        create_gloo_process_groups=False,
+        create_gloo_process_groups=gloo_groups,
     )
+
+
+@contextlib.contextmanager
+def _cuda_is_cpu():
+    """``Tensor.cuda()`` returns the tensor itself, for the block."""
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = cuda
 
 
 class _Norm(torch.nn.LayerNorm):
@@ -129,10 +191,13 @@ def gpt_model(
     tied: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    pp: int = 1,
     **config: object,
 ):
     """A tiny GPTModel, the same full weights on every rank (each rank holds its shards);
-    ``config``: more TransformerConfig fields (``use_mup=True``, ...)."""
+    ``config``: more TransformerConfig fields (``use_mup=True``, ...). ``pp``: this rank's
+    pipeline stage of ``layers`` layers (``parallel_state``'s pipeline rank)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -149,6 +214,8 @@ def gpt_model(
         params_dtype=dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
         **config,
     )
     layer = get_gpt_layer_local_spec()
@@ -165,16 +232,19 @@ def gpt_model(
             sub, input_layernorm=_Norm, pre_mlp_layernorm=_Norm, self_attention=attention
         ),
     )
-    spec = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_Norm)
+    spec = TransformerBlockSubmodules(layer_specs=[layer] * (layers // pp), layer_norm=_Norm)
     torch.manual_seed(seed)  # use_cpu_initialization: the master weight, then this rank's part
-    model = GPTModel(
-        config,
-        spec,
-        vocab_size=vocab,
-        max_sequence_length=256,
-        parallel_output=True,
-        share_embeddings_and_output_weights=tied,
-    )
+    with _cuda_is_cpu():  # a tied last stage's word embedding: .cuda() before its all-reduce
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=vocab,
+            max_sequence_length=256,
+            parallel_output=True,
+            share_embeddings_and_output_weights=tied,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
     with torch.no_grad():  # layer norms away from the identity, so their gradients are tested
         for name, p in model.named_parameters():
             if "norm" in name:

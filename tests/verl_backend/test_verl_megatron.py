@@ -152,8 +152,12 @@ def test_megatron_switch_is_undone_and_refuses_by_name():
         lv.install_megatron()
     lv.install_megatron()  # idempotent: verl's functions are still what uninstall restores
     assert lv.megatron_installed()
-    with pytest.raises(ValueError, match="output_processor hook .*Python 3.12"):
-        fused.fused_output_processor(hidden_states=None, output_layer=None, labels=None)
+    assert fused.fused_output_processor is lv.megatron_output_processor  # the hook mode's
+    with pytest.raises(ValueError, match="inference_context.*use_fused_kernels=False"):
+        fused.fused_output_processor(
+            hidden_states=None, output_layer=None, labels=None, context=None, config=None,
+            inference_context=object(),
+        )  # fmt: skip
     model = type("Stage", (), {"config": object(), "post_process": True})()
     with pytest.raises(ValueError, match="inference_context.*use_fused_kernels=False"):
         lv.megatron_forward(model, None, None, None, inference_context=object())

@@ -39,6 +39,7 @@ tensor- and context-parallel groups together.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -63,6 +64,7 @@ __all__ = [
     "logprobs",
     "main_grad_into",
     "megatron_head",
+    "output_processor_logprobs",
     "policy_loss",
     "policy_loss_step",
     "step_normalizer",
@@ -95,7 +97,7 @@ class MegatronHead:
         return [
             g
             for g, size in (
-                (_tp_group(self.model), self.tp_size),
+                (self.model.tp_group, self.tp_size),
                 (self.model.cp_group, self.cp_size),
             )
             if size > 1
@@ -105,10 +107,6 @@ class MegatronHead:
 _VOCAB: weakref.WeakKeyDictionary[nn.Module, VocabParallel] = weakref.WeakKeyDictionary()
 
 
-def _tp_group(model: nn.Module) -> Any:
-    return model.output_layer.tp_group
-
-
 def megatron_head(model: nn.Module) -> MegatronHead:
     """Read the head of a ``GPTModel`` (or a Megatron wrapper around one: its DDP,
     ``Float16Module``): its groups, and whether it can be run without logits.
@@ -116,7 +114,7 @@ def megatron_head(model: nn.Module) -> MegatronHead:
     The first call for a model builds its :class:`~logitless.VocabParallel` (a collective call
     over the tensor-parallel group: every rank makes it); later calls reuse it.
     """
-    outer, inner = model, _gpt_model(model)
+    outer, inner = model, model if isinstance(model, _ProcessorStage) else _gpt_model(model)
     if inner is None:
         raise ValueError(
             f"model must be a megatron.core GPTModel (or a Megatron DDP / Float16Module around "
@@ -142,16 +140,23 @@ def megatron_head(model: nn.Module) -> MegatronHead:
             "group"
         )
     tp_group = layer.tp_group
-    tp_size = tp_group.size()
     rows = layer.output_size_per_partition
     vp = None
-    if tp_size > 1:
+    if tp_group.size() > 1:
         vp = _VOCAB.get(layer)
         if vp is None or vp.group is not tp_group:
             rank = tp_group.rank()
-            vp = VocabParallel(tp_group, rank * rows, (rank + 1) * rows, vocab_size=rows * tp_size)
+            size = tp_group.size()
+            vp = VocabParallel(tp_group, rank * rows, (rank + 1) * rows, vocab_size=rows * size)
             _VOCAB[layer] = vp
-    sp = SequenceParallel(tp_group, dim=0) if layer.sequence_parallel and tp_size > 1 else None
+    return _stage(outer, inner, tp_group, layer.sequence_parallel, vp)
+
+
+def _stage(outer, inner, tp_group, sequence_parallel: bool, vp) -> MegatronHead:
+    """A pipeline stage's groups as a :class:`MegatronHead` (``vp``: the vocabulary split of
+    its head; None on a stage without one)."""
+    tp_size = tp_group.size()
+    sp = SequenceParallel(tp_group, dim=0) if sequence_parallel and tp_size > 1 else None
     cp_group = inner.cp_group
     cp_size = cp_group.size() if cp_group is not None else 1
     cp = ContextParallel(cp_group, "zigzag") if cp_size > 1 else None
@@ -163,6 +168,17 @@ def megatron_head(model: nn.Module) -> MegatronHead:
         cp_rank=cp_group.rank() if cp_size > 1 else 0,
         cp_size=cp_size,
     )
+
+
+def _layout_head(model: MegatronHead | nn.Module) -> MegatronHead:
+    """What :func:`token_layout` reads, on any pipeline stage: :func:`megatron_head` where
+    the stage has the head, else the stage's groups."""
+    if isinstance(model, MegatronHead):
+        return model
+    inner = _gpt_model(model)
+    if inner is None or inner.post_process:
+        return megatron_head(model)
+    return _stage(model, inner, inner.tp_group, inner.config.sequence_parallel, None)
 
 
 def _gpt_model(model: nn.Module) -> nn.Module | None:
@@ -191,7 +207,7 @@ def _agree(head: MegatronHead, error: ValueError | None, what: str) -> None:
 
 
 def token_layout(
-    head: MegatronHead,
+    head: MegatronHead | nn.Module,
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     packed_seq_params: Any = None,
@@ -202,8 +218,12 @@ def token_layout(
     one) and, for a packed batch, False at each sequence's padding; ``document_ids`` (int64)
     is, for a packed batch, each token's sequence index in ``packed_seq_params`` (the same on
     every context-parallel rank for a split sequence; -1 at padding), else None. Pass them to
-    :func:`step_normalizer`; the loss functions here build the same themselves.
+    :func:`step_normalizer`; the loss functions here build the same themselves. ``head``:
+    :func:`megatron_head`'s, or the model itself (a ``GPTModel`` or a wrapper around one) on
+    any pipeline stage: a stage without the head reads the layout the last stage scores, so
+    one ``forward_step`` runs unchanged on every stage.
     """
+    head = _layout_head(head)
     error: ValueError | None = None
     try:
         result = _token_layout(head, labels, loss_mask, packed_seq_params)
@@ -304,40 +324,72 @@ def _packed_tokens(params: Any, cp_rank: int, cp_size: int, length: int):
 # --- running the head as output_layer's forward -------------------------------------------
 
 
-def _run_head(
-    head: MegatronHead,
-    model_args: tuple,
-    model_kwargs: dict[str, Any],
-    labels: torch.Tensor,
-    fn: Callable[[Tokens, Head], Any],
-) -> Any:
-    """Run the model; where it calls ``output_layer``, run ``fn(tokens, head)`` instead."""
-    layer = head.model.output_layer
+@dataclass(frozen=True)
+class _Batch:
+    """One micro-batch, checked, as every entry point here runs it: the model's head, the
+    arguments of ``GPTModel.forward``, the labels masked to the tokens trained on (``target``)
+    and the layout :func:`token_layout` read (``mask``, ``document_ids``)."""
 
-    def in_output_layer(hidden, weight=None, runtime_gather_output=None, **_):
-        error = None
-        try:
-            w = layer.weight if weight is None else weight
-            _check_hidden(head, hidden, w, labels)
-        except ValueError as e:
-            error = e
-        _agree(head, error, "logitless.integrations.megatron")
-        tokens = Tokens(hidden, labels, sequence_first=True)
-        result.append(fn(tokens, Head(w, layer.bias, logit_scale=_logit_scale(head.model))))
-        # What GPTModel receives as its logits: it only transposes them; never read.
-        return hidden.new_zeros(hidden.shape[0], hidden.shape[1], 0), None
+    head: MegatronHead
+    args: tuple
+    kwargs: dict[str, Any]
+    target: torch.Tensor
+    mask: torch.Tensor
+    document_ids: torch.Tensor | None
 
-    def call():
-        return head.outer(*model_args, **model_kwargs)
+    @classmethod
+    def read(cls, model, inputs: tuple, labels, loss_mask, packed_seq_params, model_kwargs):
+        """``inputs``: ``(input_ids, position_ids, attention_mask)``; the rest as
+        ``GPTModel.forward`` and :func:`token_layout` take them."""
+        head = megatron_head(model)
+        mask, doc = token_layout(head, labels, loss_mask, packed_seq_params)
+        for name in ("labels", "runtime_gather_output", "output_processor"):
+            if name in model_kwargs:
+                raise TypeError(f"{name}= is logitless's to set, not a model argument here")
+        kwargs = {"packed_seq_params": packed_seq_params, **model_kwargs}
+        return cls(head, tuple(inputs), kwargs, torch.where(mask, labels, IGNORE_INDEX), mask, doc)
 
-    for name in ("labels", "runtime_gather_output", "output_processor"):
-        if name in model_kwargs:
-            raise TypeError(f"{name}= is logitless's to set, not a model argument here")
-    if _takes_output_processor(type(head.model)):
-        model_kwargs = {**model_kwargs, "output_processor": _in_output_processor}
-    result: list[Any] = []
-    seam.run_as_forward(layer, in_output_layer, call, caller="GPTModel.forward")
-    return result[-1]
+    def run(self, fn: Callable[[Tokens, Head], Any], call: Callable[[], Any] | None = None):
+        """Run the model (or ``call``); where it calls ``output_layer``, run
+        ``fn(tokens, head)`` instead."""
+        head, labels = self.head, self.target
+        layer = head.model.output_layer
+
+        def in_output_layer(hidden, weight=None, runtime_gather_output=None, **_):
+            error = None
+            try:
+                w = layer.weight if weight is None else weight
+                _check_hidden(head, hidden, w, labels)
+            except ValueError as e:
+                error = e
+            _agree(head, error, "logitless.integrations.megatron")
+            tokens = Tokens(hidden, labels, sequence_first=True)
+            result.append(fn(tokens, Head(w, layer.bias, logit_scale=_logit_scale(head.model))))
+            # What GPTModel receives as its logits: it only transposes them; never read.
+            return hidden.new_zeros(hidden.shape[0], hidden.shape[1], 0), None
+
+        if call is None:
+            kwargs = self.kwargs
+            if _takes_output_processor(type(head.model)):
+                kwargs = {**kwargs, "output_processor": _in_output_processor}
+            call = lambda: head.outer(*self.args, **kwargs)  # noqa: E731
+        result: list[Any] = []
+        seam.run_as_forward(layer, in_output_layer, call, caller="GPTModel.forward")
+        return result[-1]
+
+    def teacher(self, teacher: nn.Module) -> tuple[Tokens, Head]:
+        """The teacher GPTModel's hidden states and head on this batch, from its own forward,
+        without gradient: ``(Tokens, Head)`` in its layout."""
+        t_head = megatron_head(teacher)
+        head = self.head
+        if t_head.tp_size != head.tp_size or t_head.cp_size != head.cp_size:
+            raise ValueError(
+                "the teacher must have the student's tensor_model_parallel_size and "
+                f"context_parallel_size, got {t_head.tp_size}/{t_head.cp_size} vs "
+                f"{head.tp_size}/{head.cp_size}"
+            )
+        with torch.no_grad():
+            return dataclasses.replace(self, head=t_head).run(lambda t, w: (t, w))
 
 
 @functools.cache
@@ -352,13 +404,61 @@ def _takes_output_processor(model_class: type) -> bool:
 def _in_output_processor(*, hidden_states, output_layer, output_weight=None,
                          runtime_gather_output=None, **_: Any) -> torch.Tensor:  # fmt: skip
     """The ``output_processor`` logitless hands ``GPTModel.forward``: it calls
-    ``output_layer`` (whose forward :func:`_run_head` has replaced for the call) and returns
+    ``output_layer`` (whose forward :meth:`_Batch.run` has replaced for the call) and returns
     its placeholder, so nothing of Megatron's logits path (MuP scaling of the logits, the
     language-model loss) runs after it."""
     out, _ = output_layer(
         hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
     )
     return out
+
+
+@dataclass(frozen=True)
+class _ProcessorStage:
+    """What :func:`megatron_head` reads of a ``GPTModel``, from the arguments
+    ``GPTModel.forward`` hands an ``output_processor`` (the model itself is not among them)."""
+
+    output_layer: nn.Module
+    config: Any
+    tp_group: Any
+    cp_group: Any
+    post_process: bool = True
+    mtp_process: bool = False
+    share_embeddings_and_output_weights: bool = False
+
+
+def output_processor_logprobs(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: nn.Module,
+    output_weight: torch.Tensor | None,
+    labels: torch.Tensor,
+    config: Any,
+    packed_seq_params: Any = None,
+    loss_mask: torch.Tensor | None = None,
+    **options: Any,
+) -> LogProbs:
+    """:func:`logprobs` from inside an ``output_processor`` that ``GPTModel.forward`` calls
+    (megatron-core 0.18+), on the arguments it hands one: the hidden states ``[S, B, H]``
+    (this rank's sequence shard under sequence parallelism), ``output_layer``, the tied
+    weight (``output_weight``), the labels ``[B, S]``, the config, ``packed_seq_params``.
+    The head runs as ``output_layer``'s forward, so its forward pre-hooks (the distributed
+    optimizer's parameter all-gather) fire. ``options``: :func:`logprobs`'s
+    (``with_entropy``, ``temperature``, ``gradient_accumulation_fusion``, ...); a tied weight's
+    gradient goes to ``.grad`` (the processor cannot tell whether the embedding it is tied to
+    lives on this stage). Returns ``[B, S]`` fp32, 0 at masked and padding tokens."""
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_group() if config.context_parallel_size > 1 else None
+    stage = _ProcessorStage(output_layer, config, output_layer.tp_group, cp)
+    batch = _Batch.read(stage, (), labels, loss_mask, packed_seq_params, {})
+    head = batch.head
+    fusion = options.pop("gradient_accumulation_fusion", None)
+    options = _with_grad_into(head, False if output_weight is not None else fusion, options)
+    return batch.run(
+        lambda tokens, w: seam.logprobs(tokens, w, head.parallel, **options),
+        lambda: output_layer(hidden_states, weight=output_weight),
+    )
 
 
 def _logit_scale(model: nn.Module) -> float | None:
@@ -390,29 +490,6 @@ def _check_hidden(head: MegatronHead, hidden, weight, labels) -> None:
             f"tensor_model_parallel_size, hidden_size] = [{layer.output_size_per_partition}, "
             f"{h}] rows (tensor_model_parallel_size={head.tp_size}), got {list(weight.shape)}"
         )
-
-
-def _masked_labels(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, labels, IGNORE_INDEX)
-
-
-def _prepare(model, input_ids, position_ids, attention_mask, labels, loss_mask,
-             packed_seq_params, model_kwargs):  # fmt: skip
-    """What :func:`logprobs` and :func:`divergence` start from: the model's head, the labels
-    masked to the tokens trained on, and the arguments of ``GPTModel.forward``."""
-    head = megatron_head(model)
-    mask, _ = token_layout(head, labels, loss_mask, packed_seq_params)
-    args, kwargs = _model_args(
-        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
-    )
-    return head, _masked_labels(labels, mask), args, kwargs
-
-
-def _model_args(input_ids, position_ids, attention_mask, packed_seq_params, kwargs):
-    return (input_ids, position_ids, attention_mask), {
-        "packed_seq_params": packed_seq_params,
-        **kwargs,
-    }
 
 
 def logprobs(
@@ -449,25 +526,22 @@ def logprobs(
     ``[V/tp, H]`` gradient (:func:`main_grad_into`; None: wherever DDP gave it an fp32
     ``main_grad``).
     """
-    head, target, args, kwargs = _prepare(
-        model, input_ids, position_ids, attention_mask, labels, loss_mask, packed_seq_params,
+    batch = _Batch.read(
+        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
         model_kwargs,
     )  # fmt: skip
-    options = dict(
-        with_entropy=with_entropy,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        head_dtype=head_dtype,
-        batch_invariant=batch_invariant,
-        weight_grad_into=_grad_into(head, gradient_accumulation_fusion, head_dtype),
+    options = _with_grad_into(
+        batch.head,
+        gradient_accumulation_fusion,
+        dict(
+            with_entropy=with_entropy,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            head_dtype=head_dtype,
+            batch_invariant=batch_invariant,
+        ),
     )
-    return _run_head(
-        head,
-        args,
-        kwargs,
-        target,
-        lambda tokens, w: seam.logprobs(tokens, w, head.parallel, **options),
-    )
+    return batch.run(lambda tokens, w: seam.logprobs(tokens, w, batch.head.parallel, **options))
 
 
 def policy_loss(
@@ -506,11 +580,10 @@ def policy_loss(
     taken in the forward pass, waits in an fp32 scratch until ``backward()`` adds it into
     ``main_grad`` (docs/megatron.md).
     """
-    head = megatron_head(model)
-    layout = token_layout(head, labels, loss_mask, packed_seq_params)
-    args, kwargs = _model_args(
-        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
-    )
+    batch = _Batch.read(
+        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
+        model_kwargs,
+    )  # fmt: skip
     options = dict(
         config=config,
         normalizer=normalizer,
@@ -518,28 +591,24 @@ def policy_loss(
         chunk_size=chunk_size,
         head_dtype=head_dtype,
         batch_invariant=batch_invariant,
-        weight_grad_into=_grad_into(
-            head, gradient_accumulation_fusion, head_dtype, shared=_distills(teacher, inputs)
-        ),
     )
-    return _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher)
+    return _policy_loss(batch, inputs, teacher, gradient_accumulation_fusion, options)
 
 
-def _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher):
-    mask, doc = layout
-    if inputs.document_ids is None and doc is not None:
-        inputs = inputs.replace(document_ids=doc)
-    target = _masked_labels(labels, mask)
+def _policy_loss(batch: _Batch, inputs: LossInputs, teacher, fusion, options: dict):
+    """:func:`policy_loss` of a checked batch; ``options``: the fused loss's, the weight's
+    gradient destination added here (``fusion``: ``gradient_accumulation_fusion``)."""
+    head = batch.head
+    if inputs.document_ids is None and batch.document_ids is not None:
+        inputs = inputs.replace(document_ids=batch.document_ids)
+    distills = teacher is not None or inputs.teacher is not None
+    options = _with_grad_into(head, fusion, options, shared=distills)
     if teacher is not None:
-        t_tokens, t_head = _run_teacher(head, teacher, args, kwargs, target)
+        t_tokens, t_head = batch.teacher(teacher)
         with torch.no_grad():
             inputs = inputs.replace(teacher=t_head.as_teacher(t_tokens.aligned(head.parallel)))
-    return _run_head(
-        head,
-        args,
-        kwargs,
-        target,
-        lambda tokens, w: seam.policy_loss(tokens, w, inputs, head.parallel, **options),
+    return batch.run(
+        lambda tokens, w: seam.policy_loss(tokens, w, inputs, head.parallel, **options)
     )
 
 
@@ -565,11 +634,11 @@ def divergence(
     tensor-parallel vocabulary split) to ``model``, ``[B, S]`` fp32 (TRL's ``beta``
     convention, :func:`logitless.linear_divergence`). The teacher runs first, without
     gradient, inside its own ``output_layer``'s forward."""
-    head, target, args, kwargs = _prepare(
-        model, input_ids, position_ids, attention_mask, labels, loss_mask, packed_seq_params,
+    batch = _Batch.read(
+        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
         model_kwargs,
     )  # fmt: skip
-    t_tokens, t_weight = _run_teacher(head, teacher, args, kwargs, target)
+    t_tokens, t_weight = batch.teacher(teacher)
     options = dict(
         beta=beta,
         temperature=temperature,
@@ -578,27 +647,10 @@ def divergence(
         chunk_size=chunk_size,
         batch_invariant=batch_invariant,
     )
-    return _run_head(
-        head,
-        args,
-        kwargs,
-        target,
-        lambda tokens, w: seam.divergence(tokens, w, t_tokens, t_weight, head.parallel, **options),
+    parallel = batch.head.parallel
+    return batch.run(
+        lambda tokens, w: seam.divergence(tokens, w, t_tokens, t_weight, parallel, **options)
     )
-
-
-def _run_teacher(head: MegatronHead, teacher: nn.Module, args, kwargs, target):
-    """The teacher GPTModel's hidden states and head, from its own forward, without gradient:
-    ``(Tokens, Head)`` in its layout."""
-    t_head = megatron_head(teacher)
-    if t_head.tp_size != head.tp_size or t_head.cp_size != head.cp_size:
-        raise ValueError(
-            "the teacher must have the student's tensor_model_parallel_size and "
-            f"context_parallel_size, got {t_head.tp_size}/{t_head.cp_size} vs "
-            f"{head.tp_size}/{head.cp_size}"
-        )
-    with torch.no_grad():
-        return _run_head(t_head, args, kwargs, target, lambda t, w: (t, w))
 
 
 # --- gradient-accumulation fusion: the weight gradient into DDP's main_grad --------------
@@ -637,24 +689,21 @@ def main_grad_into(
     return WeightGradInto(main, None if shared else lambda: _mark_added(weight))
 
 
-def _distills(teacher: nn.Module | None, inputs: LossInputs) -> bool:
-    """Whether the loss has a distillation term, whose weight gradient reaches the weight
-    through autograd."""
-    return teacher is not None or inputs.teacher is not None
-
-
 def _mark_added(weight: torch.Tensor) -> None:
     weight.grad_added_to_main_grad = True
     if weight.grad is None:  # a zero, so a hook that adds it anyway (zero_out_wgrad) adds 0
         weight.grad = weight.new_zeros(()).expand(weight.shape)
 
 
-def _grad_into(
-    head: MegatronHead, mode: bool | None, head_dtype: torch.dtype | None, *, shared=False
-) -> WeightGradInto | None:
-    """The destination of the head's weight gradient under ``gradient_accumulation_fusion``
-    ``mode`` (None: wherever Megatron DDP gave the weight a ``main_grad`` of the compute
-    dtype; True: required; False: off). Raises on every rank together."""
+def _with_grad_into(head: MegatronHead, mode: bool | None, options: dict, *, shared=False):
+    """``options`` with ``weight_grad_into``: the destination of the head's weight gradient
+    under ``gradient_accumulation_fusion`` ``mode`` (None: wherever Megatron DDP gave the
+    weight a ``main_grad`` of the call's compute dtype, read from ``options``; True:
+    required; False: off). Raises on every rank together."""
+    return {**options, "weight_grad_into": _grad_into(head, mode, options, shared)}
+
+
+def _grad_into(head: MegatronHead, mode, options: dict, shared: bool) -> WeightGradInto | None:
     if mode is not None and not isinstance(mode, bool):
         raise ValueError(f"gradient_accumulation_fusion must be None, True or False, got {mode!r}")
     weight = _head_weight(head)
@@ -662,7 +711,7 @@ def _grad_into(
         return None
     from ..transform import compute_dtype
 
-    dtype = compute_dtype(head_dtype if head_dtype is not None else weight.dtype)
+    dtype = compute_dtype(options.get("head_dtype") or weight.dtype)
     model = head.model
     tied = model.share_embeddings_and_output_weights and model.pre_process
     into = main_grad_into(weight, shared=shared or tied, dtype=dtype)
@@ -761,23 +810,19 @@ def policy_loss_step(
             **model_kwargs,
         )
         return out, _never_called
-    head = megatron_head(model)
-    layout = token_layout(head, labels, loss_mask, packed_seq_params)
-    args, kwargs = _model_args(
-        input_ids, position_ids, attention_mask, packed_seq_params, model_kwargs
-    )
+    batch = _Batch.read(
+        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
+        model_kwargs,
+    )  # fmt: skip
     options = dict(
         config=config,
         normalizer=normalizer,
         temperature=temperature,
         chunk_size=chunk_size,
         head_dtype=head_dtype,
-        weight_grad_into=_grad_into(
-            head, gradient_accumulation_fusion, head_dtype, shared=_distills(teacher, inputs)
-        ),
     )
-    loss, metrics = _policy_loss(head, layout, args, kwargs, labels, inputs, options, teacher)
-    num_tokens = layout[0].sum().to(torch.int)
+    loss, metrics = _policy_loss(batch, inputs, teacher, gradient_accumulation_fusion, options)
+    num_tokens = batch.mask.sum().to(torch.int)
     if calculate_per_token_loss:
         scale = torch.as_tensor(normalizer.num_tokens, dtype=loss.dtype, device=loss.device)
     else:

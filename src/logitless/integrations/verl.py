@@ -40,7 +40,9 @@ own, see ``_ULYSSES``).
 Importing this module where megatron-core is installed replaces that function by
 :func:`megatron_forward` (:func:`install_megatron`), so
 ``external_lib=logitless.integrations.verl`` with ``use_fused_kernels=True`` is the switch
-there; the ``output_processor`` hook of newer megatron-core is refused by name.
+there. From megatron-core 0.18 verl passes its ``fused_output_processor`` to
+``GPTModel.forward(output_processor=...)`` instead (its hook mode); that one is replaced by
+:func:`megatron_output_processor`.
 
 Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
 .SUPPORTED_MODELS` (multimodal models among them), ``inputs_embeds``, multimodal inputs or any
@@ -71,6 +73,7 @@ __all__ = [
     "installed",
     "megatron_forward",
     "megatron_installed",
+    "megatron_output_processor",
     "uninstall",
     "uninstall_megatron",
     "use",
@@ -340,14 +343,13 @@ def install_megatron() -> None:
     decoder and verl's Triton ``linear_cross_entropy``. This replaces that one function, in the
     module where ``patch_fused_forward`` looks it up, by :func:`megatron_forward`; models
     already patched keep the forward they got. Where ``GPTModel.forward`` takes an
-    ``output_processor`` (megatron-core 0.19) verl passes its ``fused_output_processor``
-    instead: that one is replaced by a function that refuses (not tested: megatron-core >= 0.17
-    needs Python 3.12).
+    ``output_processor`` (megatron-core 0.18+) verl passes its ``fused_output_processor``
+    instead: that one is replaced by :func:`megatron_output_processor`.
     """
     module = importlib.import_module(_MCORE_FUSED)
     if _mcore_original:
         return
-    for name, ours in ((_MCORE_LEGACY, megatron_forward), (_MCORE_HOOK, _refuse_output_processor)):
+    for name, ours in ((_MCORE_LEGACY, megatron_forward), (_MCORE_HOOK, megatron_output_processor)):
         _mcore_original[name] = getattr(module, name)
         setattr(module, name, ours)
 
@@ -446,18 +448,43 @@ def megatron_forward(
     return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
 
 
-def _refuse_output_processor(**_: Any):
-    import megatron.core
+def megatron_output_processor(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: nn.Module,
+    output_weight: torch.Tensor | None = None,
+    labels: torch.Tensor,
+    context: Any,
+    config: Any,
+    packed_seq_params: Any = None,
+    inference_context: Any = None,
+    **_: Any,
+):
+    """verl's ``fused_output_processor`` computed by logitless (verl's hook mode: the
+    ``output_processor`` ``GPTModel.forward`` takes from megatron-core 0.18).
 
-    raise ValueError(
-        "logitless.integrations.verl: megatron-core "
-        f"{megatron.core.__version__} takes verl's output_processor hook (GPTModel.forward's "
-        "output_processor, megatron-core 0.19), which this integration is not tested with "
-        "(megatron-core >= 0.17 needs Python 3.12; verl's Megatron engine is tested here with "
-        "0.16 on 3.11, where verl patches GPTModel.forward instead). Set "
-        "actor_rollout_ref.model.use_fused_kernels=False, or leave logitless out of "
-        "external_lib for this job"
-    )
+    Same arguments and result: ``CausalLMOutputForPPO(log_probs=, entropy=)``, fp32 ``[B, S]``
+    in the labels' layout, at ``context.temperature``. The head runs as ``output_layer``'s
+    forward (:func:`logitless.integrations.megatron.output_processor_logprobs`): the
+    vocabulary split over the tensor-parallel group, sequence parallelism gathered, padding of
+    the packed sequences scored 0, the tied weight when Megatron passes one.
+    """
+    from verl.utils.model import CausalLMOutputForPPO
+
+    from . import megatron as mg
+
+    if inference_context is not None or getattr(packed_seq_params, "local_cp_size", None):
+        raise ValueError(
+            "logitless's head for verl's Megatron engine does not support inference_context or "
+            "dynamic context parallelism (packed_seq_params.local_cp_size); set "
+            "actor_rollout_ref.model.use_fused_kernels=False for this model"
+        )
+    out = mg.output_processor_logprobs(
+        hidden_states=hidden_states, output_layer=output_layer, output_weight=output_weight,
+        labels=labels, config=config, packed_seq_params=packed_seq_params, with_entropy=True,
+        temperature=context.temperature,
+    )  # fmt: skip
+    return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
 
 
 if importlib.util.find_spec("verl") is not None:  # verl imports this module (external_lib)
