@@ -178,6 +178,8 @@ def _worker(rank: int, world: int, tied: bool, kinds, mutate: bool):
             assert_partitioned(head)  # no full-size copy kept after the step
             assert_partitioned(teacher.module.lm_head.weight)
             assert not lds._Hold.open_holds
+            if name == "ours":  # the head weight was never read through DeepSpeed's getter
+                assert not list(engine.module.ds_external_parameters())
             runs[name] = (loss.detach(), grads)
         if not mutate:
             out[kind] = (truth.detach(), truth_grads, runs)
