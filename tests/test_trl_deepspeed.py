@@ -7,8 +7,8 @@ partitioned, ``stage3_param_persistence_threshold=0``, and the head is asserted 
 after training): the logged losses and metrics and every parameter after 2 ``train()`` steps
 must be the same (tests/test_trl.py's ``assert_same_run``, the tolerance the DDP and FSDP2 runs
 are held to). The ranks see different prompts, so gradients that were not reduced end in other
-weights. The early-close mutation of tests/test_deepspeed.py makes the distillation trainer's
-backward fail (its divergence reads the weight again in backward).
+weights. The early-close mutation of tests/test_deepspeed.py makes both trainers' backward
+fail (untied heads).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ trl = pytest.importorskip(
 transformers = pytest.importorskip("transformers")
 
 import test_trl as T  # noqa: E402  (the single-process harness: models, data, comparisons)
-from test_trl_distributed import RUN  # noqa: E402
+from test_trl_distributed import RUN  # noqa: E402  (the DDP / FSDP2 runs' options)
 
 WORLD = 2
 
@@ -47,70 +47,36 @@ def _params(trainer) -> dict:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _grpo_worker(rank: int, world: int, model_dir: str, stage: int, tmp: str, options: dict):
-    ds_env(rank, world, 29541)
-    import deepspeed
-
+def _grpo(rank: int, model_dir: str, stage: int, tmp: str, options: dict, mutate=False):
+    """Stock and logitless GRPO runs of one case in this rank; with ``mutate``, the logitless
+    run alone, and the message it fails with."""
     from logitless.integrations.trl import LogitlessGRPOTrainer
 
-    deepspeed.init_distributed(dist_backend="gloo")  # before a ZeRO-3 model is loaded by path
-    T._TOKENIZERS[model_dir] = T.make_tokenizer()
     out = {}
-    for name, cls in (("stock", trl.GRPOTrainer), ("ours", LogitlessGRPOTrainer)):
+    classes = (("stock", trl.GRPOTrainer), ("ours", LogitlessGRPOTrainer))
+    for name, cls in classes[1:] if mutate else classes:
         run = RUN | {"deepspeed": _ds_config(stage)} | options
         trainer = T._trainer(cls, model_dir, T._args(_path(tmp, f"{name}{rank}"), **run))
+        if mutate:
+            return _failure(trainer)
         trainer.train()
-        assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
-        assert trainer.model_wrapped.zero_optimization_stage() == stage
-        if stage == 3:
-            assert_partitioned(trainer.model.lm_head.weight)
+        _check_engine(trainer, stage)
         out[name] = (trainer.state.log_history, _params(trainer))
     return out
 
 
-def _path(tmp: str, name: str):
-    from pathlib import Path
-
-    return Path(tmp) / name
-
-
-CASES = [
-    pytest.param(3, False, {}, id="zero3-untied-dapo"),
-    pytest.param(3, True, {"beta": 0.05, "loss_type": "grpo"}, id="zero3-tied-grpo_kl"),
-    pytest.param(2, False, {"beta": 0.05}, id="zero2-untied-dapo_kl"),
-    pytest.param(2, True, {}, id="zero2-tied-dapo"),
-]
+def _check_engine(trainer, stage: int) -> None:
+    assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
+    assert trainer.model_wrapped.zero_optimization_stage() == stage
+    if stage == 3:  # partitioned, and no full-size copy left after training
+        assert_partitioned(trainer.model.lm_head.weight)
 
 
-@pytest.mark.parametrize(("stage", "tied", "options"), CASES)
-def test_grpo_matches_trl_under_deepspeed(stage, tied, options, tmp_path):
-    model_dir = T.save_model(tmp_path / "model", tied=tied)
-    args = (model_dir, stage, str(tmp_path), options)
-    ranks = spawn(_grpo_worker, WORLD, *args, threads=1, timeout_s=600.0)
-    for r in ranks:
-        assert T.assert_same_run(*r["stock"], *r["ours"], T._initial(model_dir)) > 0
-    for name, p in ranks[0]["ours"][1].items():  # the ranks hold one model
-        torch.testing.assert_close(ranks[1]["ours"][1][name], p, rtol=0, atol=0, msg=name)
-
-
-# --------------------------------------------------------------------------------------------
-# the distillation trainer (a wider teacher, JSD, temperature), its teacher prepared by TRL
-
-
-def _distill_worker(rank, world, student, teacher, stage: int, tmp: str, mutate: bool):
-    ds_env(rank, world, 29551)
-    import deepspeed
-
+def _distill(rank: int, student: str, teacher: str, stage: int, tmp: str, mutate=False):
+    """Stock and logitless distillation runs (a wider teacher, JSD, temperature) in this rank;
+    with ``mutate``, the logitless run alone, and the message it fails with."""
     from logitless.integrations.trl import LogitlessDistillationTrainer
 
-    if mutate:
-        from test_deepspeed import _close_early
-
-        from logitless.integrations import deepspeed as lds
-
-        lds.run_gathered = _close_early
-    deepspeed.init_distributed(dist_backend="gloo")
-    T._TOKENIZERS[student] = T.make_tokenizer()
     out = {}
     classes = (("stock", trl.DistillationTrainer), ("ours", LogitlessDistillationTrainer))
     for name, cls in classes[1:] if mutate else classes:
@@ -129,34 +95,100 @@ def _distill_worker(rank, world, student, teacher, stage: int, tmp: str, mutate:
             processing_class=T._TOKENIZERS[student],
         )
         if mutate:
-            try:
-                trainer.train()
-            except RuntimeError as e:
-                return str(e)
-            return "trained"
+            return _failure(trainer)
         trainer.train()
-        assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
-        if stage == 3:
-            assert_partitioned(trainer.model.lm_head.weight)
+        _check_engine(trainer, stage)
         out[name] = (trainer.state.log_history, _params(trainer))
     return out
 
 
-def _distill_models(tmp_path, tied: bool):
-    student = T.save_model(tmp_path / "student", tied=tied)
-    return student, T.save_model(tmp_path / "teacher", width=24)
+def _failure(trainer) -> str:
+    try:
+        trainer.train()
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
 
 
-@pytest.mark.parametrize(("stage", "tied"), [(3, False), (3, True), (2, False), (2, True)])
-def test_distillation_matches_trl_under_deepspeed(stage, tied, tmp_path):
-    student, teacher = _distill_models(tmp_path, tied)
-    args = (student, teacher, stage, str(tmp_path), False)
-    ranks = spawn(_distill_worker, WORLD, *args, threads=1, timeout_s=600.0)
+def _worker(rank: int, world: int, stage: int, cases: dict, mutate: bool = False):
+    """Every case of one ZeRO stage in one process per rank (one DeepSpeed start)."""
+    ds_env(rank, world, 29541)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # before a ZeRO-3 model is loaded by path
+    if mutate:
+        from test_deepspeed import _close_early
+
+        from logitless.integrations import deepspeed as lds
+
+        lds.run_gathered = _close_early
+    out = {}
+    for case, (kind, models, options) in cases.items():
+        for path in models:
+            T._TOKENIZERS[path] = T.make_tokenizer()
+        tmp = str(_path(models[0], f"../{case}"))
+        if kind == "grpo":
+            out[case] = _grpo(rank, models[0], stage, tmp, options, mutate)
+        else:
+            out[case] = _distill(rank, *models, stage, tmp, mutate)
+    return out
+
+
+def _path(tmp: str, name: str):
+    from pathlib import Path
+
+    return Path(tmp) / name
+
+
+# case -> (trainer, tied head, options); stage 3 runs them all, stage 2 one of each trainer
+CASES = {
+    "grpo-untied-dapo": ("grpo", False, {}),
+    "grpo-tied-grpo_kl": ("grpo", True, {"beta": 0.05, "loss_type": "grpo"}),
+    "distill-untied": ("distill", False, {}),
+    "distill-tied": ("distill", True, {}),
+}
+STAGE_CASES = {3: list(CASES), 2: ["grpo-untied-dapo", "distill-tied"]}
+
+
+def _models(root, kind: str, tied: bool) -> tuple[str, ...]:
+    if kind == "grpo":
+        return (T.save_model(root / "policy", tied=tied),)
+    return T.save_model(root / "student", tied=tied), T.save_model(root / "teacher", width=24)
+
+
+_RUNS: dict = {}  # stage -> (cases, ranks): one spawn per stage for the module
+
+
+def _stage_runs(stage: int, tmp_path_factory):
+    if stage not in _RUNS:
+        cases = {}
+        for case in STAGE_CASES[stage]:
+            kind, tied, options = CASES[case]
+            models = _models(tmp_path_factory.mktemp(f"z{stage}-{case}"), kind, tied)
+            cases[case] = (kind, models, options)
+        _RUNS[stage] = cases, spawn(_worker, WORLD, stage, cases, threads=1, timeout_s=600.0)
+    return _RUNS[stage]
+
+
+@pytest.mark.parametrize(
+    ("stage", "case"), [(stage, case) for stage in (3, 2) for case in STAGE_CASES[stage]]
+)
+def test_trainers_match_trl_under_deepspeed(stage, case, tmp_path_factory):
+    cases, ranks = _stage_runs(stage, tmp_path_factory)
+    initial = T._initial(cases[case][1][0])
     for r in ranks:
-        assert T.assert_same_run(*r["stock"], *r["ours"], T._initial(student)) > 0
+        assert T.assert_same_run(*r[case]["stock"], *r[case]["ours"], initial) > 0
+    for name, p in ranks[0][case]["ours"][1].items():  # the ranks hold one model
+        torch.testing.assert_close(ranks[1][case]["ours"][1][name], p, rtol=0, atol=0, msg=name)
 
 
-def test_closing_the_gather_before_the_backward_fails_distillation(tmp_path):
-    args = (*_distill_models(tmp_path, False), 3, str(tmp_path), True)
-    for message in spawn(_distill_worker, WORLD, *args, threads=1, timeout_s=600.0):
-        assert "invalid gradient" in message or "size of tensor a (0)" in message, message
+def test_closing_the_gather_before_the_backward_fails(tmp_path):
+    """Both trainers, untied heads: the divergence reads the weight in backward, and the fused
+    loss's weight gradient can only be accumulated into the full-shape parameter."""
+    cases = {
+        "distill-untied": ("distill", _models(tmp_path / "d", "distill", False), {}),
+        "grpo-untied-dapo": ("grpo", _models(tmp_path / "g", "grpo", False), {}),
+    }
+    for r in spawn(_worker, WORLD, 3, cases, True, threads=1, timeout_s=600.0):
+        for message in r.values():
+            assert "invalid gradient" in message or "size of tensor a (0)" in message, message
