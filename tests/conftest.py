@@ -81,6 +81,7 @@ SLOW_FILES = {
     "test_bench_plot.py",
     "test_benchmark_scripts.py",
     "test_compile.py",
+    "test_deepspeed.py",
     "test_demo.py",
     "test_distill_loss.py",
     "test_divergence_head.py",
@@ -97,6 +98,7 @@ SLOW_FILES = {
     "test_triton.py",
     "test_trl.py",
     "test_trl_distill.py",
+    "test_trl_deepspeed.py",
     "test_trl_distributed.py",
     "test_vocab_parallel.py",
 }

@@ -58,3 +58,16 @@ def test_vocab_parallel_runs(tmp_path):
     )
     assert "tp=1:" in out and "tp=2:" in out, out
     assert csv.exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("trl") is None,
+    reason="needs the [deepspeed] and [trl] extras",
+)
+def test_deepspeed_grpo_step_runs():
+    out = _run("deepspeed_grpo_step.py", "--vocab", "300", "--batch", "2", "--completion", "8")
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["trl"], ["logitless"])]
+    losses = {(r[0], r[1]): r[-1] for r in rows}
+    assert len(losses) == 4, out  # both trainers, both ranks
+    for rank in ("0", "1"):
+        assert losses["trl", rank] == losses["logitless", rank], out

@@ -113,5 +113,5 @@ def test_ci_runs_the_readme_commands():
     assert bench.endswith("&& logitless bench")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci
-    for extra in ("test", "hf", "triton", "trl", "peers", "peft", "megatron"):
+    for extra in ("test", "hf", "triton", "trl", "peers", "peft", "megatron", "deepspeed"):
         assert extra in tests.split('".[', 1)[1].split("]", 1)[0].split(",")

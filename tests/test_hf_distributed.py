@@ -17,6 +17,8 @@ un-averaged and fails it (``test_bypassing_ddp_is_caught``).
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -174,13 +176,15 @@ def test_fsdp2_head_outside_the_forward_is_refused():
 def test_unsupported_wrappers_are_refused():
     model = _model(False)
 
-    class DeepSpeedEngine(nn.Module):  # the refusal goes by the engine's class name
+    class DeepSpeedEngine(nn.Module):  # found by the engine's class name; its config read
         def __init__(self, module):
             super().__init__()
             self.module = module
+            offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+            self._config = types.SimpleNamespace(_param_dict=offload)
 
     ids = torch.randint(3, V, (1, 5))
-    with pytest.raises(ValueError, match="DeepSpeed engines are not supported"):
+    with pytest.raises(ValueError, match="offload_param"):
         hf.causal_lm_logprobs(DeepSpeedEngine(model), ids)
 
 

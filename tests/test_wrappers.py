@@ -9,6 +9,8 @@ the inner module's forward is an error, not a silent skip.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -80,13 +82,15 @@ def test_a_wrapper_that_skips_the_inner_forward_is_an_error(monkeypatch):
 
 
 def test_refusals():
-    class DeepSpeedEngine(nn.Module):
-        pass
+    class DeepSpeedEngine(nn.Module):  # found by its class name; ZeRO-Infinity's offload
+        _config = types.SimpleNamespace(
+            _param_dict={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
+        )
 
     class FullyShardedDataParallel(nn.Module):
         pass
 
-    with pytest.raises(ValueError, match="DeepSpeed engines are not supported"):
+    with pytest.raises(ValueError, match="offload_optimizer"):
         wrappers.unwrap(DeepSpeedEngine())
     with pytest.raises(ValueError, match="FSDP1"):
         wrappers.unwrap(FullyShardedDataParallel())

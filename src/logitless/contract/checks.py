@@ -24,6 +24,13 @@ def is_dtensor(t: object) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def is_zero3_partitioned(t: object) -> bool:
+    """A DeepSpeed ZeRO-3 parameter whose values are not here (only this rank's partition, in
+    ``ds_tensor``; checked by attribute: no import of DeepSpeed)."""
+    status = getattr(t, "ds_status", None)
+    return hasattr(t, "ds_id") and status is not None and status.name != "AVAILABLE"
+
+
 def check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -20,7 +20,14 @@ import torch
 
 from ..transform import LogitTransform, compute_dtype
 from .backend import resolve_backend
-from .checks import INT_DTYPES, check_full_precision, fmt_shape, is_dtensor, per_position
+from .checks import (
+    INT_DTYPES,
+    check_full_precision,
+    fmt_shape,
+    is_dtensor,
+    is_zero3_partitioned,
+    per_position,
+)
 from .collectives import check_then_agree
 from .options import HeadOptions, SamplerOptions, WeightGradInto
 from .replay import ReplayArgs, check_sampler
@@ -225,6 +232,15 @@ def _check_plain_tensors(tensors: dict[str, object], names: ArgNames) -> None:
             else:
                 advice = "pass this rank's rows as a plain tensor (`.to_local()`)"
             raise ValueError(f"{name} is a DTensor; logitless takes plain tensors: {advice}")
+        if is_zero3_partitioned(t):
+            raise ValueError(
+                f"{name} is a DeepSpeed ZeRO-3 parameter that is not gathered (shape "
+                f"{fmt_shape(t)} here, {list(t.ds_shape)} whole): pass the DeepSpeed engine "
+                "or its model to the logitless.integrations.hf functions (they gather the "
+                "head weight for as long as the head needs it), or call the head inside "
+                "`deepspeed.zero.GatheredParameters([weight, ...])` and run its backward "
+                "before the context closes"
+            )
 
 
 def _check_hidden_against_weight(

@@ -23,8 +23,10 @@ rather than risk different numbers.
 
 **Wrapped models.** ``DistributedDataParallel``, FSDP2 (``fully_shard``) and PEFT LoRA models
 are accepted as they are: the backbone and the head run inside the outermost wrapper's
-forward (:func:`run_in_forward`), so gradients are reduced as for ``model(...)``. DeepSpeed
-engines and FSDP1 are refused (:mod:`logitless.integrations.wrappers`).
+forward (:func:`run_in_forward`), so gradients are reduced as for ``model(...)``; so are
+DeepSpeed engines (under ZeRO-3 the head gathers its own weight:
+:mod:`logitless.integrations.deepspeed`). FSDP1 and DeepSpeed offload are refused
+(:mod:`logitless.integrations.wrappers`).
 
 **Alignment.** Results have ``input_ids``' shape ``[B, T]`` and are aligned like HF's logits:
 position ``t`` holds ``log p(target_ids[:, t] | input_ids[:, :t + 1])``, with the default

@@ -10,7 +10,9 @@ functions. It answers, for an audited transformers model, two of the seam's ques
   :func:`check_model`, :func:`causal_lm_head` and :func:`head` (the same as a
   :class:`~logitless.integrations.seam.Head`).
 - **Where the head runs.** :func:`with_head`: inside ``lm_head``'s own forward when FSDP2
-  shards it as a unit of its own, so its weight is gathered for the call.
+  shards it as a unit of its own, so its weight is gathered for the call; under DeepSpeed
+  ZeRO-3 its weight gathered for as long as the head needs it
+  (:mod:`~logitless.integrations.deepspeed`).
 
 and says how the hidden states are made: :func:`run_backbone` (``model.model(...)`` as the
 audited forwards call it, with the MoE router logits when asked for) and
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from ..contract.checks import is_dtensor
-from . import hf_vlm
+from . import deepspeed, hf_vlm
 from .seam import Head
 from .wrappers import FSDPModule, run_in_forward, unwrap
 
@@ -234,6 +236,10 @@ def head_for_checks(model: nn.Module) -> Head:
     FSDP2 shards ``lm_head`` as a unit of its own (accelerate does), stand-ins of its gathered
     parameters (the real ones exist inside its forward, see :func:`with_head`)."""
     lm_head, softcap, scale = check_model(model)
+    own = deepspeed.own_params(lm_head)
+    if deepspeed.is_zero3(own["weight"]):  # ZeRO-3: gathered by with_head
+        stand_ins = (deepspeed.stand_in(own["weight"]), deepspeed.stand_in(own.get("bias")))
+        return _seam_head(CausalLMHead(*stand_ins, softcap, scale))
     if not isinstance(lm_head, FSDPModule):
         return head(model)
     return _seam_head(
@@ -245,8 +251,13 @@ def with_head(lm: nn.Module, fn: Callable[..., T], *args: Any) -> T:
     """``fn(head(lm), *args)`` with the head's parameters ready: run as ``lm_head``'s forward
     (:func:`~logitless.integrations.wrappers.run_in_forward`), which, when FSDP2 shards it as a
     unit of its own, gathers its weight once for the call and reduce-scatters its gradient
-    after backward; else a plain call."""
-    return run_in_forward(lm.lm_head, lambda _: fn(head(lm), *args))
+    after backward; under DeepSpeed ZeRO-3, gathered for as long as the head needs it
+    (:func:`~logitless.integrations.deepspeed.run_gathered`); else a plain call."""
+    lm_head = lm.lm_head
+    params = deepspeed.own_params(lm_head).values()
+    return run_in_forward(
+        lm_head, lambda _: deepspeed.run_gathered(params, lambda *a: fn(head(lm), *a), *args)
+    )
 
 
 def backbone_module(model: nn.Module) -> nn.Module:

@@ -38,7 +38,7 @@ from ..losses import LossNormalizer, PolicyLossConfig
 from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call, teacher_divergence
 from ..ops.logprobs.op import logprobs_of_call
 from ..types import Divergence, LogProbs, TeacherHead
-from . import seam
+from . import deepspeed, seam
 from .hf_batch import Flattener, ModelBatch, check_input_ids, document_ids_of
 from .hf_model import (
     autocast_dtype,
@@ -242,18 +242,21 @@ class DivergenceArgs(NamedTuple):
 def teacher_in_forward(
     lm: nn.Module, batch: ModelBatch, model_kwargs: dict[str, Any]
 ) -> tuple[torch.Tensor, Head]:
-    """The teacher's final hidden states and its head, detached (a sharded head weight
-    gathered whole: the teacher needs no gradient)."""
+    """The teacher's final hidden states and its head, detached (a sharded head weight, FSDP2's
+    or ZeRO-3's, gathered whole: the teacher needs no gradient)."""
     hidden = batch.backbone(lm, model_kwargs).hidden
     lm_head, softcap, scale = check_model(lm)
 
     def whole(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
+        if deepspeed.is_zero3(t):
+            return deepspeed.gathered_copy(t)
         return (t.full_tensor() if is_dtensor(t) else t).detach()
 
     scale = None if scale == 1.0 else scale
-    return hidden.detach(), Head(whole(lm_head.weight), whole(lm_head.bias), scale, softcap)
+    own = deepspeed.own_params(lm_head)  # not lm_head.weight: see deepspeed.own_params
+    return hidden.detach(), Head(whole(own["weight"]), whole(own.get("bias")), scale, softcap)
 
 
 def divergence_in_forward(

@@ -5,8 +5,9 @@ Package-internal: :mod:`logitless.integrations.trl` (``LogitlessGRPOTrainer``) a
 neither imports the other's module for it (``trl`` re-exports the distillation trainer, one
 way). It imports neither TRL nor transformers.
 
-- :func:`distributed_problem`: the one rule on accelerate's distributed type (DDP and FSDP2
-  run; FSDP1 and DeepSpeed are refused, with the reason).
+- :func:`distributed_problem`: the one rule on accelerate's distributed type (DDP, FSDP2 and
+  DeepSpeed run; FSDP1 and DeepSpeed's offload / ZeRO++ partitions are refused, with the
+  reason).
 - :func:`completion_batch` and :class:`CompletionLayout`: a TRL micro-batch (``prompt_ids``,
   ``completion_ids`` and their masks) as the HF functions take it, and TRL's ``[B, C]``
   completion columns inside logitless' ``[B, P + C]`` logits alignment.
@@ -17,6 +18,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+
+from .deepspeed import config_problem
 
 __all__ = ["CompletionLayout", "completion_batch", "distributed_problem"]
 
@@ -35,12 +38,9 @@ def distributed_problem(accelerator: Any) -> str | None:
             return None
         return "FSDP1 (its flat parameters hide the head weight); set fsdp_version: 2"
     if dist_type == "DEEPSPEED":
-        return (
-            "DeepSpeed (ZeRO-2 and ZeRO-3 cannot be tested on this project's machines, so "
-            "they are refused rather than risk unreduced or sharded head gradients); use DDP "
-            "or FSDP2 (fsdp_version: 2)"
-        )
-    return f"distributed type {dist_type} (tested: DDP and FSDP2)"
+        plugin = accelerator.state.deepspeed_plugin
+        return config_problem(getattr(plugin, "deepspeed_config", None))
+    return f"distributed type {dist_type} (tested: DDP, FSDP2 and DeepSpeed ZeRO 2 / 3)"
 
 
 class CompletionLayout(NamedTuple):

@@ -15,15 +15,18 @@ directly would skip it:
 would for ``model(...)``, and the function gets the transformers model itself (PEFT's base
 model) with its parameters ready to use. The function's arguments travel in a closure, not
 through the wrapper's call: a wrapper that casts or moves its forward inputs (FSDP2's
-``MixedPrecisionPolicy.cast_forward_inputs``) never touches them. No class is patched; the
+``MixedPrecisionPolicy.cast_forward_inputs``) never touches them.
+- A DeepSpeed engine (ZeRO stages 0-3) is unwrapped like DDP: the function runs as
+  ``engine.module``'s forward inside the engine's, and under ZeRO-3 the head gathers its own
+  weight (:mod:`~logitless.integrations.deepspeed`). No class is patched; the
 instance's own ``forward`` (e.g. the autocast wrapper accelerate installs) is restored before
 the function runs and after the call, also when it raises.
 
 Accepted: the model itself; ``DistributedDataParallel`` of it; a model whose root is an FSDP2
 ``FSDPModule``; a PEFT ``PeftModel`` with a LoRA-type adapter (prompt learning is refused: it
 changes the inputs of the backbone), alone or under DDP / FSDP2. Refused with ``ValueError``:
-FSDP1 (``FullyShardedDataParallel``: flat parameters), DeepSpeed engines (ZeRO-2 and -3 are not
-tested here: no machine of this project can run them), a ``torch.compile`` wrapper of the model.
+FSDP1 (``FullyShardedDataParallel``: flat parameters), a DeepSpeed engine with parameter or
+optimizer offload or ZeRO++ partitions (untested), a ``torch.compile`` wrapper of the model.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import deepspeed
 from .seam import run_as_forward
 
 try:  # FSDP2 (torch >= 2.6 exports it here)
@@ -80,12 +84,10 @@ def _peft_base(module: nn.Module) -> nn.Module:
 
 def _refuse_unsupported_wrapper(model: nn.Module) -> None:
     cls = type(model)
-    if cls.__module__.startswith("deepspeed") or cls.__name__ == "DeepSpeedEngine":
-        raise ValueError(
-            "DeepSpeed engines are not supported yet: ZeRO-2 and ZeRO-3 cannot be tested on "
-            "this project's machines, so logitless refuses them rather than risk unreduced or "
-            "sharded head gradients. Use DDP or FSDP2 (accelerate's fsdp_version: 2)."
-        )
+    if deepspeed.is_engine(model):
+        problem = deepspeed.engine_problem(model)
+        if problem is not None:
+            raise ValueError(f"this DeepSpeed engine cannot run logitless: {problem}")
     if cls.__name__ == "FullyShardedDataParallel":
         raise ValueError(
             "FSDP1 (FullyShardedDataParallel) is not supported: its flat parameters hide the "
@@ -99,7 +101,8 @@ def unwrap(model: nn.Module) -> Unwrapped:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a transformers causal LM, got {type(model).__name__}")
     _refuse_unsupported_wrapper(model)
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    is_ddp = isinstance(model, DistributedDataParallel) or deepspeed.is_engine(model)
+    inner = model.module if is_ddp else model
     _refuse_unsupported_wrapper(inner)
     lm = _peft_base(inner) if _is_peft(inner) else inner
     wrapped = inner is not model or isinstance(inner, FSDPModule) or isinstance(lm, FSDPModule)
