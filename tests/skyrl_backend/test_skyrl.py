@@ -155,9 +155,10 @@ def _skyrl_logprobs(case: Case, backend: str, rank: int, *, inference_only: bool
     h = fused_lm_head_output_processor(hidden_states=local, output_layer=layer, context=context)
     w = context["lm_head_weight"]
     _v_local = int(w.shape[0])  # as SkyRL's loss computes the shard's range
-    start, end = mpu.get_tensor_model_parallel_rank() * _v_local, (
-        mpu.get_tensor_model_parallel_rank() + 1
-    ) * _v_local
+    start, end = (
+        mpu.get_tensor_model_parallel_rank() * _v_local,
+        (mpu.get_tensor_model_parallel_rank() + 1) * _v_local,
+    )
     tp_group = mpu.get_tensor_model_parallel_group()
     if case.packed:
         out = model_utils.from_parallel_hidden_to_logprobs_packed_sequences(

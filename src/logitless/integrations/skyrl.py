@@ -239,10 +239,13 @@ def _check(hidden, weight, target, vocab_start_index, vocab_end_index) -> None:
             f"{_shape(hidden)}"
         )
     if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):
-        raise ValueError(f"lm_head_weight must be [vocab_size // tp, hidden_size], got {_shape(weight)}")
+        raise ValueError(
+            f"lm_head_weight must be [vocab_size // tp, hidden_size], got {_shape(weight)}"
+        )
     if not (weight.is_floating_point() and hidden.is_floating_point()):
         raise ValueError(
-            f"hidden and lm_head_weight must be floating point, got {hidden.dtype} and {weight.dtype}"
+            "hidden and lm_head_weight must be floating point, got "
+            f"{hidden.dtype} and {weight.dtype}"
         )
     if weight.shape[1] != hidden.shape[2]:
         raise ValueError(
