@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from ..contract.collectives import agree
+from ..contract.collectives import agree, fingerprint
 from ..contract.vocab import VocabParallel
 
 __all__ = [
@@ -206,16 +206,22 @@ def logprob_apply(
     low, high = 0, 0
     if error is None and target.numel():
         low, high = int(target.min()), int(target.max())
-    # one exchange: any rank's failure, the targets' range over the group
-    neg_low, high = agree(
+    key = (tp_group, vocab_start_index, vocab_end_index)
+    cached = _VOCAB.get(key) if error is None else None
+    tag = -1 if cached is None else fingerprint(cached.ranges)
+    # one exchange: any rank's failure, the targets' range, and whether every rank holds the
+    # same VocabParallel (else all ranks build a new one: its construction is a collective)
+    neg_low, high, tag_max, neg_tag_min = agree(
         tp_group,
         error,
         "fused_lm_head_logprob_backend=logitless",
-        [-low, high],
+        [-low, high, tag, -tag],
         "the tensor-parallel group (tp_group)",
     )
-    # the ranks' vocabulary ranges are exchanged and checked to tile [0, V) (every rank raises)
-    vp = _vocab_parallel(tp_group, vocab_start_index, vocab_end_index)
+    if cached is None or tag_max != -neg_tag_min:
+        # the ranks' ranges are exchanged and checked to tile [0, V) (every rank raises)
+        cached = _VOCAB[key] = _vocab_parallel(tp_group, vocab_start_index, vocab_end_index)
+    vp = cached
     if -neg_low < 0 or high >= vp.vocab_size:
         raise ValueError(
             f"target: token ids must be in [0, {vp.vocab_size}) (the output layer's "
@@ -271,22 +277,17 @@ def _shape(x: Any) -> str:
 
 
 def _vocab_parallel(group: Any, start: int, end: int) -> VocabParallel:
-    """One :class:`VocabParallel` per (group, shard): built once, a collective over the group.
-    The hidden gradient is left unsummed: SkyRL's output processor reduces it (the
-    sequence-parallel gather's reduce-scatter, or ``copy_to_tensor_model_parallel_region``'s
-    all-reduce)."""
-    key = (group, start, end)
-    vp = _VOCAB.get(key)
-    if vp is None:
-        try:
-            vp = VocabParallel(group, start, end, reduce_hidden_grad=False)
-        except ValueError as e:  # raised on every rank: the ranges were exchanged first
-            raise ValueError(
-                "[vocab_start_index, vocab_end_index): the output layer's vocabulary shards of "
-                f"the tensor-parallel group (tp_group) must tile the vocabulary ({e})"
-            ) from e
-        _VOCAB[key] = vp
-    return vp
+    """A :class:`VocabParallel` over the group (a collective: every rank builds one at once,
+    which :func:`logprob_apply` agrees on), kept per (group, shard). The hidden gradient is
+    left unsummed: SkyRL's output processor reduces it (the sequence-parallel gather's
+    reduce-scatter, or ``copy_to_tensor_model_parallel_region``'s all-reduce)."""
+    try:
+        return VocabParallel(group, start, end, reduce_hidden_grad=False)
+    except ValueError as e:  # raised on every rank: the ranges were exchanged first
+        raise ValueError(
+            "[vocab_start_index, vocab_end_index): the output layer's vocabulary shards of "
+            f"the tensor-parallel group (tp_group) must tile the vocabulary ({e})"
+        ) from e
 
 
 install()
