@@ -204,6 +204,9 @@ def _parity_worker(rank: int, world: int, cases: list[Case]):
     import logitless.integrations.skyrl as lsk
 
     assert lsk.installed()
+    calls = []  # SkyRL's dispatch reaches logitless's op (not its torch backend) for "logitless"
+    own = lsk.logprob_apply
+    lsk.logprob_apply = lambda *a: calls.append(1) or own(*a)
     results = {}
     for case in cases:
         truth = _truth(case, rank)
@@ -212,6 +215,7 @@ def _parity_worker(rank: int, world: int, cases: list[Case]):
         with torch.no_grad():
             forward_only = _skyrl_logprobs(case, "logitless", rank, inference_only=True)[0]
         results[case.name] = (truth, torch_path, ours, forward_only)
+    assert len(calls) == 2 * len(cases), calls
     return results
 
 
