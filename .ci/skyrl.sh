@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-VENV=.venv-skyrl
+VENV=${SKYRL_VENV:-.venv-skyrl}  # SKYRL_VENV: an existing venv to reuse
 
 python312() {  # $PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH
     local c
