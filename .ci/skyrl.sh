@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# tests/skyrl_backend/ (logitless as SkyRL's trainer.fused_lm_head_logprob_backend) in a venv of
+# its own (.venv-skyrl): skyrl 0.4 needs Python 3.12, and its Megatron backend megatron-core
+# 0.19. Installs skyrl without its extras, plus the packages of its `skyrl-train` extra that its
+# config, its Megatron log-prob functions and its `main_base` entrypoint import (Ray among them;
+# not flash-attn, vLLM or megatron.bridge: the tests do not start Ray workers), torch 2.13 (from
+# PyPI on 3.12: a CUDA build, no GPU needed to run it), and logitless without dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+VENV=${SKYRL_VENV:-.venv-skyrl}  # SKYRL_VENV: an existing venv to reuse
+
+python312() {  # $PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH
+    local c
+    for c in "${PYTHON312:-}" \
+        "$(command -v pyenv >/dev/null && echo "$(pyenv root)/versions/$(pyenv latest 3.12 2>/dev/null)/bin/python")" \
+        python3.12; do
+        if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            echo "$c"
+            return 0
+        fi
+    done
+    echo "no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2
+    return 1
+}
+
+[ -x "$VENV/bin/python" ] || "$(python312)" -m venv "$VENV"
+"$VENV/bin/pip" install -q torch==2.13.0 'skyrl>=0.4,<0.5' 'megatron-core>=0.19,<0.20' 'pytest>=7' numpy \
+    omegaconf loguru skyrl-gym 'ray==2.57.0' aiohttp orjson pybase64 jaxtyping torchdata
+"$VENV/bin/pip" install -q --no-deps -e .
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/skyrl_backend
