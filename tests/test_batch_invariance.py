@@ -320,12 +320,13 @@ def test_a_matmul_whose_rows_move_is_detected_and_the_mode_refused(monkeypatch):
 def test_bench_task_runs_at_a_tiny_shape():
     """``logitless bench --task invariance``: every method builds and runs a step, and the
     trainer-pattern report shows no ratio off 1.0 in the batch-invariant mode."""
-    from logitless.apps.bench.invariance import methods, ratio_report
+    from logitless.apps.bench.invariance import ratio_report
+    from logitless.apps.bench.methods import TASKS
     from logitless.apps.bench.workload import Workload, make_inputs
 
     work = Workload("invariance", 32, 16, 300, 0.75, "float32", "cpu", threads=1, repeats=1)
     inputs = make_inputs(work)
-    for method in methods().values():
+    for method in TASKS["invariance"].values():
         method.build(work, inputs)()
         inputs.clear_grads()
     lines = ratio_report(work).splitlines()
