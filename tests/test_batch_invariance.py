@@ -80,7 +80,7 @@ def test_schedule_is_the_same_for_every_row_count(dtype):
         for n in (2, 7, 128, 129, 1000, 5000):
             for chunk in (None, 1, 64, 4096):
                 assert Schedule.choose(n, vocab, cpu, chunk, invariant=True) == ref
-                assert Schedule.choose_fused(n, vocab, cpu, chunk, invariant=True) == ref
+                assert Schedule.choose(n, vocab, cpu, chunk, invariant=True, fused=True) == ref
         assert {ref.padding(n) + n for n in (1, ref.rows)} == {ref.rows}
 
 
@@ -90,7 +90,9 @@ def test_default_schedule_width_does_not_follow_the_row_count():
     cpu = torch.device("cpu")
     for vocab in (1000, V, 151936):
         widths = {Schedule.choose(n, vocab, cpu, None).vocab_block for n in (1, 37, 512, 9000)}
-        fused = {Schedule.choose_fused(n, vocab, cpu, None).vocab_block for n in (1, 37, 9000)}
+        fused = {
+            Schedule.choose(n, vocab, cpu, None, fused=True).vocab_block for n in (1, 37, 9000)
+        }
         assert len(widths) == 1 and fused == widths
 
 
@@ -198,7 +200,7 @@ def test_fused_rows_run_the_logprob_forward_bit_for_bit(dtype, with_entropy):
         rows = RowBatch(hidden[:n], weight, bias, labels[:n], None)
         opts = KernelOptions(
             LogitTransform(None, None, 1.0), with_entropy, dtype,
-            Schedule.choose_fused(n, V, hidden.device, None, invariant=True),
+            Schedule.choose(n, V, hidden.device, None, invariant=True, fused=True),
         )  # fmt: skip
         fwd = torch_tiles.forward_rows(rows, opts)
         seen: list[int] = []

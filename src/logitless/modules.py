@@ -216,6 +216,18 @@ class _SharedHeadWeight(nn.Module):
         state["_source_refs"] = None  # weak references do not pickle; the copy has no source
         return state
 
+    def _describe(self) -> str:
+        """What a subclass adds to the repr between the head's shape and its options."""
+        return ""
+
+    def extra_repr(self) -> str:
+        vocab, dim = self.weight.shape
+        sampler = getattr(self, "sampler", None)
+        return (
+            f"vocab={vocab}, hidden={dim}, {self._describe()}{self.options.describe()}"
+            f"{sampler.describe() if sampler is not None else ''}"
+        )
+
 
 class LogprobHead(_SharedHeadWeight):
     """:func:`~logitless.linear_logprobs` as a module holding the head weight (shared, not copied).
@@ -310,12 +322,8 @@ class LogprobHead(_SharedHeadWeight):
     def with_entropy(self) -> bool:
         return self.options.with_entropy
 
-    def extra_repr(self) -> str:
-        vocab, dim = self.weight.shape
-        return (
-            f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, "
-            f"{self.options.describe()}{self.sampler.describe()}"
-        )
+    def _describe(self) -> str:
+        return f"bias={self.bias is not None}, "
 
 
 class PolicyLossHead(_SharedHeadWeight):
@@ -427,12 +435,8 @@ class PolicyLossHead(_SharedHeadWeight):
             normalizer=normalizer,
         )
 
-    def extra_repr(self) -> str:
-        vocab, dim = self.weight.shape
-        return (
-            f"vocab={vocab}, hidden={dim}, bias={self.bias is not None}, config={self.config}, "
-            f"{self.options.describe()}{self.sampler.describe()}"
-        )
+    def _describe(self) -> str:
+        return f"bias={self.bias is not None}, config={self.config}, "
 
 
 class DivergenceHead(_SharedHeadWeight):
@@ -510,15 +514,11 @@ class DivergenceHead(_SharedHeadWeight):
         """The divergence of each row of ``hidden`` ``[..., H]`` from the teacher's."""
         weight, bias = self._current_parameters()
         check_full_precision(temperature=temperature)
+        teacher = (teacher_hidden, teacher_weight, teacher_bias)
+        options = self.options.replace(temperature=temperature)
+        div = self.divergence
         call = check_divergence_call(
-            hidden,
-            weight,
-            labels,
-            bias,
-            (teacher_hidden, teacher_weight, teacher_bias),
-            teacher_topk,
-            self.options.replace(temperature=temperature),
-            self.divergence,
+            hidden, weight, labels, bias, teacher, teacher_topk, options, div
         )
         out = divergence_of_call(call)
         # as LogprobHead: no view among the outputs (FSDP2's pre-backward hook)
@@ -526,10 +526,8 @@ class DivergenceHead(_SharedHeadWeight):
             **{k: t.clone() for k, t in zip(out._fields, out, strict=True) if _is_view(t)}
         )
 
-    def extra_repr(self) -> str:
-        vocab, dim = self.weight.shape
-        d = self.divergence
-        return f"vocab={vocab}, hidden={dim}, beta={d.beta}, {self.options.describe()}"
+    def _describe(self) -> str:
+        return f"beta={self.divergence.beta}, "
 
 
 def _is_view(t: object) -> bool:

@@ -107,14 +107,8 @@ def linear_divergence(
     checks as the op; ``chunk_size`` is accepted and ignored.
     """
     given = locals()
-    call = check_divergence_call(
-        hidden,
-        weight,
-        labels,
-        bias,
-        (teacher_hidden, teacher_weight, teacher_bias),
-        teacher_topk,
-        HeadOptions.pick(given).replace(backend="torch"),
-        DivergenceOptions.pick(given),
-    )
+    teacher = (teacher_hidden, teacher_weight, teacher_bias)
+    options = HeadOptions.pick(given).replace(backend="torch")
+    div = DivergenceOptions.pick(given)
+    call = check_divergence_call(hidden, weight, labels, bias, teacher, teacher_topk, options, div)
     return naive_divergence(call)

@@ -126,9 +126,9 @@ class Schedule:
     of ``rows``, and drop them from the results), so each tile's shapes are the same whatever
     the call holds.
 
-    This class is the one place the torch tiles' cut is decided (:meth:`choose`,
-    :meth:`choose_fused`); the Triton launcher decides its splits and configurations from the
-    same ``padded`` flag (``backends/triton_kernels.py``).
+    This class is the one place the torch tiles' cut is decided (:meth:`choose`); the Triton
+    launcher decides its splits and configurations from the same ``padded`` flag
+    (``backends/triton_launch.py``).
     """
 
     rows: int
@@ -143,19 +143,27 @@ class Schedule:
         chunk_size: int | None,
         *,
         invariant: bool = False,
+        fused: bool = False,
     ) -> Schedule:
         """The schedule of ``num_rows`` rows over ``vocab`` columns. The tile width depends on
         ``vocab`` and the device only (or on the caller's ``chunk_size``, to keep a tile of
-        that many rows within the tile budget); ``invariant``: :meth:`invariant`."""
+        that many rows within the tile budget); ``invariant``: :meth:`invariant`.
+
+        ``fused``: for the gradient-in-forward path, whose row chunk keeps all V logits: the
+        same tile width, and no more rows than the plain chunk or the memory budget allows
+        (with ``invariant``, the log-prob op's schedule itself: the same forward, bit for
+        bit)."""
         if invariant:
             return Schedule.invariant(vocab, device)
         tile = _TILE_ELEMS.get(device.type, _TILE_ELEMS_DEFAULT)
         width = _aligned(tile // _ROWS_PER_TILE.get(device.type, _ROWS_PER_TILE_DEFAULT), vocab)
-        if chunk_size is None:
-            rows = max(1, min(num_rows, tile // width))
-        else:
-            rows = chunk_size
-            width = min(width, _aligned(tile // rows, vocab))
+        if chunk_size is not None:
+            return Schedule(
+                rows=chunk_size, vocab_block=min(width, _aligned(tile // chunk_size, vocab))
+            )
+        rows = max(1, min(num_rows, tile // width))
+        if fused:
+            rows = max(1, min(rows, _CHUNK_ELEMS.get(device.type, _CHUNK_ELEMS_DEFAULT) // vocab))
         return Schedule(rows=rows, vocab_block=width)
 
     @staticmethod
@@ -165,28 +173,6 @@ class Schedule:
         rows = _INVARIANT_ROWS.get(device.type, _INVARIANT_ROWS_DEFAULT)
         tile = _TILE_ELEMS.get(device.type, _TILE_ELEMS_DEFAULT)
         return Schedule(rows=rows, vocab_block=_aligned(tile // rows, vocab), padded=True)
-
-    @staticmethod
-    def choose_fused(
-        num_rows: int,
-        vocab: int,
-        device: torch.device,
-        chunk_size: int | None,
-        *,
-        invariant: bool = False,
-    ) -> Schedule:
-        """Schedule for the gradient-in-forward path, whose row chunk keeps all V logits: the
-        log-prob op's tile width, and no more rows than its own chunk or the memory budget
-        allows. Invariant: the log-prob op's schedule itself (the same forward, bit for bit)."""
-        if invariant:
-            return Schedule.invariant(vocab, device)
-        if chunk_size is not None:
-            return Schedule.choose(num_rows, vocab, device, chunk_size)
-        budget = _CHUNK_ELEMS.get(device.type, _CHUNK_ELEMS_DEFAULT)
-        plain = Schedule.choose(num_rows, vocab, device, None)
-        return Schedule(
-            rows=max(1, min(plain.rows, budget // vocab)), vocab_block=plain.vocab_block
-        )
 
     def row_chunks(self, num_rows: int) -> list[tuple[int, int]]:
         """[(start, stop)] of the row chunks."""

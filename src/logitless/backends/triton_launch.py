@@ -128,6 +128,20 @@ def store_dz(dz_ptr, dz, offs_m, offs_c, row_ok, col_ok, width):
 
 
 @triton.jit
+def store_row_stats(stats_ptr, pid_s, M, offs_m, num_splits, row_ok, m, s, q, zy):
+    """Write one split's per-row planes of ``stats`` ``[P, num_splits, M]``: the running max,
+    Σ exp, Σ exp·d and the label's logit (planes 0 to 3); returns ``(out, plane)`` for the
+    planes a family adds after them (``out + k * plane``)."""
+    out = stats_ptr + pid_s * M + offs_m
+    plane = num_splits * M
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + plane, s, mask=row_ok)
+    tl.store(out + 2 * plane, q, mask=row_ok)
+    tl.store(out + 3 * plane, zy, mask=row_ok)
+    return out, plane
+
+
+@triton.jit
 def logits_tile(
     h_ptr, w_ptr, b_ptr, rows, cols, inv_t, K, stride_h, stride_w, scale, softcap,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,

@@ -786,6 +786,7 @@ def policy_loss_step(
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
     gradient_accumulation_fusion: bool | None = None,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
@@ -810,19 +811,15 @@ def policy_loss_step(
             **model_kwargs,
         )
         return out, _never_called
-    batch = _Batch.read(
-        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
-        model_kwargs,
+    loss, metrics = policy_loss(
+        model, input_ids, position_ids, attention_mask, labels, inputs, config=config,
+        normalizer=normalizer, teacher=teacher, loss_mask=loss_mask,
+        packed_seq_params=packed_seq_params, temperature=temperature, chunk_size=chunk_size,
+        head_dtype=head_dtype, batch_invariant=batch_invariant,
+        gradient_accumulation_fusion=gradient_accumulation_fusion, **model_kwargs,
     )  # fmt: skip
-    options = dict(
-        config=config,
-        normalizer=normalizer,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        head_dtype=head_dtype,
-    )
-    loss, metrics = _policy_loss(batch, inputs, teacher, gradient_accumulation_fusion, options)
-    num_tokens = batch.mask.sum().to(torch.int)
+    mask, _ = token_layout(model, labels, loss_mask, packed_seq_params)
+    num_tokens = mask.sum().to(torch.int)
     if calculate_per_token_loss:
         scale = torch.as_tensor(normalizer.num_tokens, dtype=loss.dtype, device=loss.device)
     else:

@@ -40,6 +40,12 @@ class Surrogate(NamedTuple):
     clipped_dual: torch.Tensor | None = None  # [N] bool: PPO dual clip active
 
 
+def _unclipped(loss: torch.Tensor) -> Surrogate:
+    """A surrogate that clips no token."""
+    no_clip = torch.zeros_like(loss, dtype=torch.bool)
+    return Surrogate(loss, no_clip, no_clip)
+
+
 def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N]
 
@@ -120,8 +126,7 @@ def sapo_surrogate(
     ratio = _ratio(log_ratio)  # [N]
     tau = torch.where(advantages > 0, tau_pos, torch.full_like(ratio, tau_neg))  # [N]
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [N]
-    no_clip = torch.zeros_like(ratio, dtype=torch.bool)
-    return Surrogate(-advantages * gate, no_clip, no_clip)
+    return _unclipped(-advantages * gate)
 
 
 def gmpo_surrogate(
@@ -191,8 +196,7 @@ def reinforce_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor) -> Su
         L = −A · r          (gradient −A · r ∇log π; on-policy r = 1 gives −A ∇log π)
     """
     ratio = _ratio(log_ratio)  # [N]
-    no_clip = torch.zeros_like(ratio, dtype=torch.bool)
-    return Surrogate(-advantages * ratio, no_clip, no_clip)
+    return _unclipped(-advantages * ratio)
 
 
 def dppo_surrogate(

@@ -133,9 +133,10 @@ def kernel_options(call: HeadCall, num_rows: int, *, fused: bool = False) -> Ker
     """
     vp = call.vocab_parallel
     vocab = call.weight.shape[0] if vp is None else vp.max_shard
-    choose = Schedule.choose_fused if fused else Schedule.choose
     dev, invariant = call.weight.device, call.batch_invariant
-    schedule = choose(num_rows, vocab, dev, call.chunk_size, invariant=invariant)
+    schedule = Schedule.choose(
+        num_rows, vocab, dev, call.chunk_size, invariant=invariant, fused=fused
+    )
     if invariant:
         check_invariant_blas(dev, call.head_dtype, call.weight.shape[1], schedule)
     return KernelOptions(

@@ -133,16 +133,9 @@ def linear_divergence(
     """
     given = locals()
     options = HeadOptions.pick(given)
-    call = check_divergence_call(
-        hidden,
-        weight,
-        labels,
-        bias,
-        (teacher_hidden, teacher_weight, teacher_bias),
-        teacher_topk,
-        options,
-        DivergenceOptions.pick(given),
-    )
+    teacher = (teacher_hidden, teacher_weight, teacher_bias)
+    div = DivergenceOptions.pick(given)
+    call = check_divergence_call(hidden, weight, labels, bias, teacher, teacher_topk, options, div)
     return divergence_of_call(call)
 
 

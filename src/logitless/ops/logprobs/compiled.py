@@ -27,20 +27,25 @@ from ...types import LogProbs
 from ..rows import kernel_batch, kernel_options, refuse_double_backward, select_rows
 
 _NAMESPACE = "logitless"
-# HeadOptions fields as the ops' flat arguments (temperature: a float and an optional tensor).
-_FIELDS = (
-    "temperature",
-    "temperature_tensor",
-    "softcap",
-    "logit_scale",
-    "with_entropy",
-    "ignore_index",
-    "chunk_size",
-    "head_dtype",
-    "backend",
-    "capturable",
-    "row_capacity",
-    "batch_invariant",
+# HeadOptions fields as the ops' flat arguments, with their schema types (temperature: a float
+# and an optional tensor). Both ops' schemas are built from this one table.
+_FIELD_TYPES = {
+    "temperature": "float",
+    "temperature_tensor": "Tensor?",
+    "softcap": "float?",
+    "logit_scale": "float?",
+    "with_entropy": "bool",
+    "ignore_index": "int",
+    "chunk_size": "int?",
+    "head_dtype": "ScalarType?",
+    "backend": "str",
+    "capturable": "bool",
+    "row_capacity": "int?",
+    "batch_invariant": "bool",
+}
+_FIELDS = tuple(_FIELD_TYPES)
+_HEAD_ARGS = "Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, " + ", ".join(
+    f"{t} {name}" for name, t in _FIELD_TYPES.items()
 )
 
 
@@ -72,29 +77,14 @@ def _call(hidden, weight, labels, bias, flat: tuple) -> HeadCall:
     return check_head_call(hidden, weight, labels, bias, HeadOptions(**fields))
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::linear_logprobs", mutates_args=())
-def _forward_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    temperature_tensor: torch.Tensor | None,
-    softcap: float | None,
-    logit_scale: float | None,
-    with_entropy: bool,
-    ignore_index: int,
-    chunk_size: int | None,
-    head_dtype: torch.dtype | None,
-    backend: str,
-    capturable: bool,
-    row_capacity: int | None,
-    batch_invariant: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op(
+    f"{_NAMESPACE}::linear_logprobs",
+    mutates_args=(),
+    schema=f"({_HEAD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _forward_op(hidden, weight, labels, bias, *flat):
     """(logprobs, entropy, lse, entropy for backward), each of ``labels.shape``; entropy is
     zeros when not asked for. lse / entropy are 0 at ignored rows (only valid rows use them)."""
-    flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
-            chunk_size, head_dtype, backend, capturable, row_capacity, batch_invariant)  # fmt: skip
     call = _call(hidden, weight, labels, bias, flat)
     rows = select_rows(call)
     opts = kernel_options(call, rows.labels.numel())
@@ -116,33 +106,16 @@ def _forward_fake(hidden, weight, labels, bias, *flat):
     return tuple(hidden.new_empty(labels.shape, dtype=dtype) for _ in range(4))
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::linear_logprobs_backward", mutates_args=())
-def _backward_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    temperature_tensor: torch.Tensor | None,
-    softcap: float | None,
-    logit_scale: float | None,
-    with_entropy: bool,
-    ignore_index: int,
-    chunk_size: int | None,
-    head_dtype: torch.dtype | None,
-    backend: str,
-    capturable: bool,
-    row_capacity: int | None,
-    batch_invariant: bool,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logprobs: torch.Tensor,
-    grad_entropy: torch.Tensor | None,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op(
+    f"{_NAMESPACE}::linear_logprobs_backward",
+    mutates_args=(),
+    schema=f"({_HEAD_ARGS}, Tensor lse, Tensor entropy, Tensor grad_logprobs, "
+    "Tensor? grad_entropy, bool[] needs) -> (Tensor, Tensor, Tensor)",
+)
+def _backward_op(hidden, weight, labels, bias, *rest):
     """(d hidden, d weight, d bias) of the head; an empty tensor for a gradient not needed."""
-    flat = (temperature, temperature_tensor, softcap, logit_scale, with_entropy, ignore_index,
-            chunk_size, head_dtype, backend, capturable, row_capacity, batch_invariant)  # fmt: skip
+    *flat, lse, entropy, grad_logprobs, grad_entropy, needs = rest
+    with_entropy = flat[_FIELDS.index("with_entropy")]
     call = _call(
         hidden.detach(), weight.detach(), labels, None if bias is None else bias.detach(), flat
     )
