@@ -174,7 +174,9 @@ def test_refused_by_name():
     ids = torch.tensor([[1, 2, 3]])
     cases = {
         "inputs_embeds": dict(inputs_embeds=torch.zeros(1, 3, 32)),
-        "pixel_values (multimodal inputs)": dict(input_ids=ids, pixel_values=torch.zeros(1)),
+        "pixel_values given, but Qwen2ForCausalLM does not take it": dict(
+            input_ids=ids, pixel_values=torch.zeros(1)
+        ),
         "KV cache": dict(input_ids=ids, use_cache=True),
         "logits_to_keep": dict(input_ids=ids, logits_to_keep=1),
         "return_dict=False": dict(input_ids=ids, return_dict=False),

@@ -47,6 +47,7 @@ __all__ = [
     "AUDITED",
     "MULTIMODAL_INPUTS",
     "VisionLanguage",
+    "audited",
     "check_backbone_inputs",
     "moe_router",
     "text_positions",
@@ -345,6 +346,12 @@ def _check_position_ids(
         )
 
 
+def audited(model: nn.Module) -> VisionLanguage | None:
+    """The :data:`AUDITED` entry of ``model``'s class (or of a base of it); None for a text
+    model."""
+    return next((AUDITED[c.__name__] for c in type(model).__mro__ if c.__name__ in AUDITED), None)
+
+
 def check_backbone_inputs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -357,7 +364,7 @@ def check_backbone_inputs(
     ``input_ids`` with their pixel values and the reverse, grids and per-image token counts
     that match, the type ids, and position ids of the rank its rope takes."""
     name = type(model).__name__
-    spec = next((AUDITED[c.__name__] for c in type(model).__mro__ if c.__name__ in AUDITED), None)
+    spec = audited(model)
     taken = spec.inputs if spec is not None else frozenset()
     foreign = sorted(k for k in MULTIMODAL_INPUTS - taken if model_kwargs.get(k) is not None)
     if foreign:
