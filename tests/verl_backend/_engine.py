@@ -144,6 +144,29 @@ def cpu_devices(monkeypatch) -> None:
     monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
 
 
+def ulysses_worker(rank: int, world: int) -> dict:
+    """One rank of the one 2-process launch that every Ulysses check of this folder shares
+    (CI time: one launch instead of one per test file). Both ranks form one Ulysses group and
+    one FSDP2 mesh, as verl's engine puts its sp ranks in the FSDP mesh; each test module's
+    ``ulysses_case(group, mesh, world)`` runs its models there. The ``ulysses`` fixture
+    (conftest.py) starts it."""
+    import test_verl_engine
+    import test_verl_vlm
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.utils.ulysses import set_ulysses_sequence_parallel_group
+
+    impl.get_device_id = lambda: "cpu"
+    impl.get_device_name = lambda: "cpu"
+    group = dist.new_group(list(range(world)))
+    set_ulysses_sequence_parallel_group(group)
+    mesh = init_device_mesh("cpu", (world,))
+    return {
+        "text": test_verl_engine.ulysses_case(group, mesh, world),
+        "vlm": test_verl_vlm.ulysses_case(group, mesh, world),
+    }
+
+
 __all__ = [
     "lv", "patched", "engine", "micro_batch", "forward_step", "tiny_model", "tiny_gemma2",
     "cpu_devices",

@@ -33,7 +33,6 @@ import test_hf_vlm as vlm  # the tiny configs and image rows of the HF tests
 import torch
 import transformers
 import verl.utils.tensordict_utils as tu
-from _dist import spawn
 from _engine import _own_class, cpu_devices, engine, forward_step, lv, tiny_model
 from _tolerance import assert_no_worse_than_reference
 from verl.models.transformers.monkey_patch import apply_monkey_patch
@@ -215,7 +214,8 @@ def test_bad_inputs_raise_naming_the_argument():
             position_ids=pos, pixel_values=images["pixel_values"]
         ),
         "image_grid_thw describes": dict(
-            position_ids=pos, pixel_values=images["pixel_values"][:4],
+            position_ids=pos,
+            pixel_values=images["pixel_values"][:4],
             image_grid_thw=torch.tensor([[1, 2, 2]]),
         ),  # fmt: skip
     }
@@ -236,20 +236,15 @@ def test_bad_inputs_raise_naming_the_argument():
 _SP_NAME = "qwen2_5_vl"
 
 
-def _ulysses_worker(rank, world, batch):
-    import torch.distributed as dist
-    import verl.workers.engine.fsdp.transformer_impl as impl
-    from _engine import engine, forward_step
-    from torch.distributed.device_mesh import init_device_mesh
+def ulysses_case(group, mesh, world):
+    """On each rank of the shared launch (``_engine.ulysses_worker``): verl pads the packed
+    row for the ranks, embeds the images on every rank and slices the embeddings (its
+    ``patch_vlm_for_ulysses_input_slicing``); the model is ``fully_shard``-ed after verl
+    patched it."""
     from torch.distributed.fsdp import fully_shard
-    from verl.utils.ulysses import set_ulysses_sequence_parallel_group
 
-    impl.get_device_id = lambda: "cpu"
-    impl.get_device_name = lambda: "cpu"
-    group = dist.new_group(list(range(world)))
-    set_ulysses_sequence_parallel_group(group)
-    mesh = init_device_mesh("cpu", (world,))
     model = tiny_vlm(_SP_NAME, layers=0)
+    batch = samples(model, _SP_NAME)
     g, e = _upstream(batch)
     out = {}
     for backend in ("logitless", "torch"):
@@ -260,10 +255,10 @@ def _ulysses_worker(rank, world, batch):
     return out
 
 
-def test_ulysses_two_ranks_under_fsdp2_equal_one_process():
+def test_ulysses_two_ranks_under_fsdp2_equal_one_process(ulysses):
     model = tiny_vlm(_SP_NAME, layers=0)
     batch = samples(model, _SP_NAME)  # 33 tokens: verl pads the row to 34, 17 a rank
-    ranks = spawn(_ulysses_worker, 2, batch)
+    ranks = [r["vlm"] for r in ulysses]
     g, e = _upstream(batch)
     one = _run(model, "logitless", batch, g=g, e=e)
     unfused = _run(model, None, batch, g=g, e=e)
