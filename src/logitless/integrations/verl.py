@@ -44,10 +44,17 @@ there. From megatron-core 0.18 verl passes its ``fused_output_processor`` to
 ``GPTModel.forward(output_processor=...)`` instead (its hook mode); that one is replaced by
 :func:`megatron_output_processor`.
 
+**Vision-language models** (:data:`VLM_CLASSES`: the Qwen-VL classes verl gives a fused
+forward of its own): the image / video inputs verl's engine passes (its ``multi_modal_inputs``)
+go to ``model.model``, verl's own backbone forward after ``apply_monkey_patch``, after the HF
+functions' checks of them (:func:`logitless.integrations.hf_vlm.check_backbone_inputs`); the
+position ids must be verl's ``[4, B, T]`` (``[4, 1, total_nnz]`` packed).
+
 Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
-.SUPPORTED_MODELS` (multimodal models among them), ``inputs_embeds``, multimodal inputs or any
-other keyword argument the forward does not know, a KV cache, ``logits_to_keep``,
-``return_dict=False``, ``output_hidden_states`` / ``output_attentions``. The sum of squared
+.SUPPORTED_MODELS`, a multimodal model outside :data:`VLM_CLASSES`, image inputs that do not
+match ``input_ids`` (or given to a text model), position ids of the wrong shape,
+``inputs_embeds``, any other keyword argument the forward does not know, a KV cache,
+``logits_to_keep``, ``return_dict=False``, ``output_hidden_states`` / ``output_attentions``. The sum of squared
 probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's engines themselves
 whenever fused kernels are on, before any forward output is read; logitless has no op for it
 either.
