@@ -54,10 +54,10 @@ Refused with ``ValueError`` naming what: a model outside :data:`logitless.integr
 .SUPPORTED_MODELS`, a multimodal model outside :data:`VLM_CLASSES`, image inputs that do not
 match ``input_ids`` (or given to a text model), position ids of the wrong shape,
 ``inputs_embeds``, any other keyword argument the forward does not know, a KV cache,
-``logits_to_keep``, ``return_dict=False``, ``output_hidden_states`` / ``output_attentions``. The sum of squared
-probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's engines themselves
-whenever fused kernels are on, before any forward output is read; logitless has no op for it
-either.
+``logits_to_keep``, ``return_dict=False``, ``output_hidden_states`` / ``output_attentions``.
+The sum of squared probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's
+engines themselves whenever fused kernels are on, before any forward output is read; logitless
+has no op for it either.
 """
 
 from __future__ import annotations
