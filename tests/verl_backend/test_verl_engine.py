@@ -23,6 +23,7 @@ from _engine import (
     lv,
     micro_batch,
     patched,
+    sharded_step,
     tiny_gemma2,
     tiny_model,
 )
@@ -228,21 +229,15 @@ ULYSSES_SEQS = [*SEQS, [50, 51, 52, 53, 54, 55, 56, 57, 58]]  # 26 tokens: 13 a 
 
 
 def ulysses_case(group, mesh, world):
-    """On each rank of the shared launch (``_engine.ulysses_worker``): the model is
-    ``fully_shard``-ed after verl patched it (verl's order)."""
-    from torch.distributed.fsdp import fully_shard
-
+    """On each rank of the shared launch (``_engine.ulysses_worker``)."""
     model = tiny_model(layers=0)
     g, e, _ = _upstream(ULYSSES_SEQS)
     out = {}
     for backend in ("logitless", "torch", "logitless, lm_head unit"):
-        mod = patched(model, backend.split(",")[0], sp=world)
-        if backend.endswith("unit"):  # lm_head an FSDP2 unit of its own (accelerate's way):
-            fully_shard(mod.lm_head, mesh=mesh)  # its weight exists only inside its forward
-        mod = fully_shard(mod, mesh=mesh)
-        batch = micro_batch(ULYSSES_SEQS)
-        lp, ent, grads = forward_step(engine(mod, sp=world, group=group), batch, g, e)
-        out[backend] = (lp, ent, {n: t.full_tensor() for n, t in grads.items()})
+        out[backend] = sharded_step(
+            model, backend.split(",")[0], mesh, group, world, micro_batch(ULYSSES_SEQS), g, e,
+            unit=backend.endswith("unit"),
+        )  # fmt: skip
     return out
 
 

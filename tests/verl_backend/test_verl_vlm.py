@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import copy
 
+import _engine
 import pytest
 import test_hf_vlm as vlm  # the tiny configs and image rows of the HF tests
 import torch
 import transformers
-import verl.utils.tensordict_utils as tu
-from _engine import _own_class, cpu_devices, engine, forward_step, lv, tiny_model
+from _engine import _own_class, cpu_devices, engine, forward_step, lv, sharded_step, tiny_model
 from _tolerance import assert_no_worse_than_reference
 from verl.models.transformers.monkey_patch import apply_monkey_patch
-from verl.utils.dataset.dataset_utils import DatasetPadMode
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Sequences of the micro-batch: text lengths and image grids (t, h, w patches), as
@@ -79,22 +78,13 @@ def samples(model, name: str, seqs=SEQS, seed: int = 0):
     return out
 
 
-def micro_batch(batch, *, temperature=1.0, fused=True, rmpad=True):
+def micro_batch(batch, **kw):
     """verl's micro-batch of ``samples``: nested input_ids and [4, T_i] position ids, the image
     inputs per sample (verl's ``multi_modal_inputs``)."""
-    ids = torch.nested.nested_tensor([torch.tensor(i) for i, _, _ in batch], layout=torch.jagged)
-    pos = torch.nested.as_nested_tensor([p for _, p, _ in batch], layout=torch.jagged)
-    return tu.get_tensordict(
-        {"input_ids": ids, "position_ids": pos, "multi_modal_inputs": [m for _, _, m in batch]},
-        {
-            "temperature": temperature,
-            "use_remove_padding": rmpad,
-            "use_fused_kernels": fused,
-            "calculate_entropy": True,
-            "pad_mode": DatasetPadMode.NO_PADDING,
-            "pad_token_id": 0,
-        },
-    )
+    return _engine.micro_batch(
+        [i for i, _, _ in batch], positions=[p for _, p, _ in batch],
+        multi_modal_inputs=[m for _, _, m in batch], **kw,
+    )  # fmt: skip
 
 
 def patched(model, backend, *, sp: int = 1):
@@ -239,20 +229,15 @@ _SP_NAME = "qwen2_5_vl"
 def ulysses_case(group, mesh, world):
     """On each rank of the shared launch (``_engine.ulysses_worker``): verl pads the packed
     row for the ranks, embeds the images on every rank and slices the embeddings (its
-    ``patch_vlm_for_ulysses_input_slicing``); the model is ``fully_shard``-ed after verl
-    patched it."""
-    from torch.distributed.fsdp import fully_shard
-
+    ``patch_vlm_for_ulysses_input_slicing``)."""
     model = tiny_vlm(_SP_NAME, layers=0)
     batch = samples(model, _SP_NAME)
     g, e = _upstream(batch)
-    out = {}
-    for backend in ("logitless", "torch"):
-        mod = fully_shard(patched(model, backend, sp=world), mesh=mesh)
-        mb = micro_batch(batch, temperature=0.8)
-        lp, ent, grads = forward_step(engine(mod, sp=world, group=group), mb, g, e)
-        out[backend] = (lp, ent, {n: t.full_tensor() for n, t in grads.items()})
-    return out
+    mb = micro_batch(batch, temperature=0.8)
+    return {
+        b: sharded_step(model, b, mesh, group, world, mb, g, e, patch=patched)
+        for b in ("logitless", "torch")
+    }
 
 
 def test_ulysses_two_ranks_under_fsdp2_equal_one_process(ulysses):
