@@ -22,6 +22,7 @@ comparison here.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -648,13 +649,20 @@ def test_inputs_a_model_does_not_take():
         hf.causal_lm_logprobs(_model("gemma3"), lay["ids"], mm_encoder_outputs={}, **lay["kw"])
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_video_inputs_match_model_logits(name):
     """A video (2 temporal patches of 4 x 4: 8 tokens) beside an image: pixel_values_videos
-    and video_grid_thw reach the backbone, mm_token_type_ids marks the video tokens 2."""
+    and video_grid_thw reach the backbone, mm_token_type_ids marks the video tokens 2. Qwen2-VL
+    and Qwen2.5-VL place a video as one run of 8 tokens, Qwen3-VL as one run of 4 per frame
+    (its processor puts a timestamp and a vision-start token before each); a grid whose runs
+    are not input_ids' is refused."""
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(3, 200, (2, 20), generator=g)
+    frames = name == "qwen3_vl"
     ids[0, 1], ids[0, 2:10] = VISION_START, VIDEO
+    if frames:
+        ids[0, 6], ids[0, 7] = 7, VISION_START  # frame 2: ids[0, 8:12]
+        ids[0, 10:12] = VIDEO
     ids[1, 3], ids[1, 4:8] = VISION_START, IMAGE
     mask = torch.ones_like(ids)
     mask[1, 17:] = 0  # right padding
@@ -673,6 +681,15 @@ def test_video_inputs_match_model_logits(name):
     bad = dict(kw, video_grid_thw=torch.tensor([[1, 4, 4]]))  # 4 tokens, input_ids hold 8
     with pytest.raises(ValueError, match="video_grid_thw describes 4 video tokens"):
         hf.causal_lm_logprobs(model, ids, **dict(bad, pixel_values_videos=torch.randn(16, 24)))
+    # the same 8 tokens in the other families' placement: refused
+    other = torch.where(ids == VIDEO, 9, ids)
+    if frames:
+        other[0, 2:10] = VIDEO
+    else:
+        other[0, 2:6], other[0, 8:12] = VIDEO, VIDEO
+    want = "its frames have [4, 4] tokens" if frames else "its videos have [8] tokens"
+    with pytest.raises(ValueError, match=rf"video_grid_thw does not match.*{re.escape(want)}"):
+        hf.causal_lm_logprobs(model, other, **dict(kw, mm_token_type_ids=None))
     no_video = {k: v for k, v in kw.items() if "video" not in k}
     with pytest.raises(ValueError, match="pixel_values_videos is not given"):
         hf.causal_lm_logprobs(model, ids, **no_video)

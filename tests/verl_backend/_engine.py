@@ -97,12 +97,24 @@ def engine(module: torch.nn.Module, *, sp: int = 1, dtype=torch.float32, group=N
     return eng
 
 
-def micro_batch(seqs, *, temperature=1.0, fused=True, rmpad=True):
-    """verl's micro-batch of sequences (lists of ids): nested input_ids and position_ids."""
+def micro_batch(
+    seqs, *, temperature=1.0, fused=True, rmpad=True, positions=None, multi_modal_inputs=None
+):
+    """verl's micro-batch of sequences (lists of ids): nested input_ids and position_ids
+    (``positions``: one tensor a sequence, ``[T]`` or ``[4, T]``; default ``arange(T)``), and
+    a vision-language model's image inputs (one dict a sequence, verl's
+    ``multi_modal_inputs``)."""
     ids = torch.nested.nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)
-    pos = torch.nested.nested_tensor([torch.arange(len(s)) for s in seqs], layout=torch.jagged)
+    if positions is None:
+        positions = [torch.arange(len(s)) for s in seqs]
+    tensors = {
+        "input_ids": ids,
+        "position_ids": torch.nested.as_nested_tensor(positions, layout=torch.jagged),
+    }
+    if multi_modal_inputs is not None:
+        tensors["multi_modal_inputs"] = multi_modal_inputs
     return tu.get_tensordict(
-        {"input_ids": ids, "position_ids": pos},
+        tensors,
         {
             "temperature": temperature,
             "use_remove_padding": rmpad,
@@ -142,6 +154,45 @@ def cpu_devices(monkeypatch) -> None:
     """verl's device helpers assume an accelerator; the engine module reads them by name."""
     monkeypatch.setattr(impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
+
+
+def sharded_step(model, backend, mesh, group, world, batch, g, e, *, patch=None, unit=False):
+    """``forward_step`` under Ulysses on ``world`` ranks: ``model`` patched by verl for
+    ``backend`` (``patch``: the patching function, default :func:`patched`), then
+    ``fully_shard``-ed over ``mesh`` (verl's order; ``unit``: ``lm_head`` an FSDP2 unit of its
+    own first, accelerate's way, so its weight exists only inside its forward). Returns the
+    gathered (log_probs, entropy) and every parameter's whole gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    mod = (patch or patched)(model, backend, sp=world)
+    if unit:
+        fully_shard(mod.lm_head, mesh=mesh)
+    mod = fully_shard(mod, mesh=mesh)
+    lp, ent, grads = forward_step(engine(mod, sp=world, group=group), batch, g, e)
+    return lp, ent, {n: t.full_tensor() for n, t in grads.items()}
+
+
+def ulysses_worker(rank: int, world: int) -> dict:
+    """One rank of the one 2-process launch that every Ulysses check of this folder shares
+    (CI time: one launch instead of one per test file). Both ranks form one Ulysses group and
+    one FSDP2 mesh, as verl's engine puts its sp ranks in the FSDP mesh; each test module's
+    ``ulysses_case(group, mesh, world)`` runs its models there. The ``ulysses`` fixture
+    (conftest.py) starts it."""
+    import test_verl_engine
+    import test_verl_vlm
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.utils.ulysses import set_ulysses_sequence_parallel_group
+
+    impl.get_device_id = lambda: "cpu"
+    impl.get_device_name = lambda: "cpu"
+    group = dist.new_group(list(range(world)))
+    set_ulysses_sequence_parallel_group(group)
+    mesh = init_device_mesh("cpu", (world,))
+    return {
+        "text": test_verl_engine.ulysses_case(group, mesh, world),
+        "vlm": test_verl_vlm.ulysses_case(group, mesh, world),
+    }
 
 
 __all__ = [

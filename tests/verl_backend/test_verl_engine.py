@@ -16,7 +16,6 @@ import pytest
 import torch
 import transformers
 import verl.utils.tensordict_utils as tu
-from _dist import spawn
 from _engine import (
     cpu_devices,
     engine,
@@ -24,6 +23,7 @@ from _engine import (
     lv,
     micro_batch,
     patched,
+    sharded_step,
     tiny_gemma2,
     tiny_model,
 )
@@ -174,7 +174,9 @@ def test_refused_by_name():
     ids = torch.tensor([[1, 2, 3]])
     cases = {
         "inputs_embeds": dict(inputs_embeds=torch.zeros(1, 3, 32)),
-        "pixel_values (multimodal inputs)": dict(input_ids=ids, pixel_values=torch.zeros(1)),
+        "pixel_values given, but Qwen2ForCausalLM does not take it": dict(
+            input_ids=ids, pixel_values=torch.zeros(1)
+        ),
         "KV cache": dict(input_ids=ids, use_cache=True),
         "logits_to_keep": dict(input_ids=ids, logits_to_keep=1),
         "return_dict=False": dict(input_ids=ids, return_dict=False),
@@ -223,37 +225,25 @@ def test_batch_invariant_backend_gives_a_sequence_the_same_bits_in_any_company()
 # --- Ulysses sequence parallelism on 2 gloo ranks, under FSDP2 ------------------------------
 
 
-def _ulysses_worker(rank, world, seqs):
-    """Both ranks form one Ulysses group and one FSDP2 mesh, as verl's engine puts its sp ranks
-    in the FSDP mesh: the model is ``fully_shard``-ed after verl patched it (verl's order)."""
-    import torch.distributed as dist
-    import verl.workers.engine.fsdp.transformer_impl as impl
-    from _engine import engine, forward_step, micro_batch, patched, tiny_model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from verl.utils.ulysses import set_ulysses_sequence_parallel_group
+ULYSSES_SEQS = [*SEQS, [50, 51, 52, 53, 54, 55, 56, 57, 58]]  # 26 tokens: 13 a rank
 
-    impl.get_device_id = lambda: "cpu"
-    impl.get_device_name = lambda: "cpu"
-    group = dist.new_group(list(range(world)))
-    set_ulysses_sequence_parallel_group(group)
-    mesh = init_device_mesh("cpu", (world,))
+
+def ulysses_case(group, mesh, world):
+    """On each rank of the shared launch (``_engine.ulysses_worker``)."""
     model = tiny_model(layers=0)
-    g, e, _ = _upstream(seqs)
+    g, e, _ = _upstream(ULYSSES_SEQS)
     out = {}
     for backend in ("logitless", "torch", "logitless, lm_head unit"):
-        mod = patched(model, backend.split(",")[0], sp=world)
-        if backend.endswith("unit"):  # lm_head an FSDP2 unit of its own (accelerate's way):
-            fully_shard(mod.lm_head, mesh=mesh)  # its weight exists only inside its forward
-        mod = fully_shard(mod, mesh=mesh)
-        lp, ent, grads = forward_step(engine(mod, sp=world, group=group), micro_batch(seqs), g, e)
-        out[backend] = (lp, ent, {n: t.full_tensor() for n, t in grads.items()})
+        out[backend] = sharded_step(
+            model, backend.split(",")[0], mesh, group, world, micro_batch(ULYSSES_SEQS), g, e,
+            unit=backend.endswith("unit"),
+        )  # fmt: skip
     return out
 
 
-def test_ulysses_two_ranks_under_fsdp2_equal_one_process():
-    seqs = [s for s in SEQS] + [[50, 51, 52, 53, 54, 55, 56, 57, 58]]  # 26 tokens: 13 a rank
-    ranks = spawn(_ulysses_worker, 2, seqs)
+def test_ulysses_two_ranks_under_fsdp2_equal_one_process(ulysses):
+    seqs = ULYSSES_SEQS
+    ranks = [r["text"] for r in ulysses]
     model = tiny_model(layers=0)
     g, e, _ = _upstream(seqs)
     one = _run(model, "logitless", seqs, g=g, e=e)

@@ -35,6 +35,7 @@ Read in transformers 5.24's modeling files:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -47,6 +48,7 @@ __all__ = [
     "AUDITED",
     "MULTIMODAL_INPUTS",
     "VisionLanguage",
+    "audited",
     "check_backbone_inputs",
     "moe_router",
     "text_positions",
@@ -115,7 +117,10 @@ def _check_qwen(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     kwargs: Mapping[str, Any],
+    frames: bool = False,
 ) -> None:
+    """Qwen's image and video inputs; ``frames``: a video is one run of placeholder tokens per
+    temporal patch (Qwen3-VL puts a timestamp before each frame), else one run per video."""
     cfg = model.config
     merge = int(cfg.vision_config.spatial_merge_size)
     image = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
@@ -158,13 +163,15 @@ def _check_qwen(
                 f"{grid_name} describes {sum(per)} {kind} tokens ({per} after the {merge}x{merge} "
                 f"merge), but input_ids holds {tokens} (id {getattr(cfg, f'{kind}_token_id')})"
             )
-        if kind == "image":
-            runs = _runs(input_ids, cfg.image_token_id, attention_mask)
-            if runs != per:
-                raise ValueError(
-                    f"image_grid_thw does not match input_ids' images: in row order its images "
-                    f"have {per} tokens, the runs of image tokens in input_ids {runs}"
-                )
+        if kind == "video" and frames:
+            per = [n // t for n, t in zip(per, grid[:, 0].tolist(), strict=True) for _ in range(t)]
+        runs = _runs(input_ids, getattr(cfg, f"{kind}_token_id"), attention_mask)
+        if runs != per:
+            each = "frames" if kind == "video" and frames else f"{kind}s"
+            raise ValueError(
+                f"{grid_name} does not match input_ids' {kind}s: in row order its {each} have "
+                f"{per} tokens, the runs of {kind} tokens in input_ids {runs}"
+            )
     _check_type_ids(
         "mm_token_type_ids", kwargs, input_ids,
         {1: cfg.image_token_id, 2: cfg.video_token_id},
@@ -214,60 +221,56 @@ def _check_type_ids(
         raise ValueError(f"{name} must be {marks} and 0 elsewhere; it disagrees with input_ids")
 
 
-def _pixels(kwargs: Mapping[str, Any], input_ids: torch.Tensor) -> torch.Tensor | None:
-    pix = kwargs.get("pixel_values")
-    return None if pix is None else _tensor("pixel_values", pix, input_ids, dim=4)
+def _fixed_images(
+    per_image: Callable[[Any, Mapping[str, Any]], int | None], type_ids: str | None = None
+) -> Callable[[nn.Module, torch.Tensor, torch.Tensor | None, Mapping[str, Any]], None]:
+    """The check of a class whose images are ``[N, C, H, W]`` pixel values of
+    ``per_image(config, kwargs)`` placeholder tokens each (None: not fixed, only paired), with
+    ``type_ids`` (1 at the image tokens) when it takes them."""
+
+    def check(
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        cfg = model.config
+        token_id = cfg.image_token_id
+        tokens = _pair(kwargs, "pixel_values", "image", token_id, input_ids, attention_mask)
+        pix = kwargs.get("pixel_values")
+        if pix is not None:
+            pix = _tensor("pixel_values", pix, input_ids, dim=4)
+            n = per_image(cfg, kwargs)
+            if n is not None and tokens != pix.shape[0] * n:
+                raise ValueError(
+                    f"pixel_values holds {pix.shape[0]} images of {n} tokens each, but "
+                    f"input_ids holds {tokens} image tokens (id {token_id})"
+                )
+        if type_ids is not None:
+            _check_type_ids(type_ids, kwargs, input_ids, {1: token_id}, required=False)
+
+    return check
 
 
-def _check_per_image(
-    tokens: int, pix: torch.Tensor | None, per_image: int | None, token_id: int
-) -> None:
-    if pix is None or per_image is None:
-        return
-    if tokens != pix.shape[0] * per_image:
-        raise ValueError(
-            f"pixel_values holds {pix.shape[0]} images of {per_image} tokens each, but input_ids "
-            f"holds {tokens} image tokens (id {token_id})"
-        )
-
-
-def _check_gemma3(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    kwargs: Mapping[str, Any],
-) -> None:
-    cfg = model.config
-    tokens = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
-    _check_per_image(
-        tokens, _pixels(kwargs, input_ids), cfg.mm_tokens_per_image, cfg.image_token_id
-    )
-    _check_type_ids("token_type_ids", kwargs, input_ids, {1: cfg.image_token_id}, required=False)
-
-
-def _check_llava(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    kwargs: Mapping[str, Any],
-) -> None:
-    cfg = model.config
-    tokens = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
+def _llava_tokens(cfg: Any, kwargs: Mapping[str, Any]) -> int | None:
+    """A LLaVA image's tokens: its vision tower's patch grid (CLIP with the "full" feature
+    strategy keeps the class token); None for a tower without a fixed grid."""
     vision = cfg.vision_config
-    per_image = None
-    if vision.model_type in ("clip_vision_model", "siglip_vision_model"):  # a fixed patch grid
-        per_image = (vision.image_size // vision.patch_size) ** 2
-        strategy = kwargs.get("vision_feature_select_strategy")
-        strategy = cfg.vision_feature_select_strategy if strategy is None else strategy
-        if strategy == "full" and vision.model_type == "clip_vision_model":
-            per_image += 1  # CLIP's class token is kept
-    _check_per_image(tokens, _pixels(kwargs, input_ids), per_image, cfg.image_token_id)
+    if vision.model_type not in ("clip_vision_model", "siglip_vision_model"):
+        return None
+    per_image = (vision.image_size // vision.patch_size) ** 2
+    strategy = kwargs.get("vision_feature_select_strategy")
+    strategy = cfg.vision_feature_select_strategy if strategy is None else strategy
+    if strategy == "full" and vision.model_type == "clip_vision_model":
+        per_image += 1  # CLIP's class token is kept
+    return per_image
 
 
 _QWEN_INPUTS = frozenset(
     {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids"}
 )
 _QWEN = VisionLanguage(_none, _QWEN_INPUTS, True, _check_qwen)
+_QWEN3 = _QWEN._replace(check=functools.partial(_check_qwen, frames=True))
 
 #: Audited vision-language class -> what its forward does and takes (see the module doc).
 AUDITED: dict[str, VisionLanguage] = {
@@ -275,10 +278,13 @@ AUDITED: dict[str, VisionLanguage] = {
     "Qwen2_5_VLForConditionalGeneration": _QWEN._replace(
         inputs=_QWEN_INPUTS | {"second_per_grid_ts"}
     ),
-    "Qwen3VLForConditionalGeneration": _QWEN,
-    "Qwen3VLMoeForConditionalGeneration": _QWEN,
+    "Qwen3VLForConditionalGeneration": _QWEN3,
+    "Qwen3VLMoeForConditionalGeneration": _QWEN3,
     "Gemma3ForConditionalGeneration": VisionLanguage(
-        _none, frozenset({"pixel_values", "token_type_ids"}), False, _check_gemma3
+        _none,
+        frozenset({"pixel_values", "token_type_ids"}),
+        False,
+        _fixed_images(lambda cfg, _: cfg.mm_tokens_per_image, "token_type_ids"),
     ),
     "LlavaForConditionalGeneration": VisionLanguage(
         _none,
@@ -291,7 +297,7 @@ AUDITED: dict[str, VisionLanguage] = {
             }
         ),
         False,
-        _check_llava,
+        _fixed_images(_llava_tokens),
     ),
 }
 
@@ -345,6 +351,12 @@ def _check_position_ids(
         )
 
 
+def audited(model: nn.Module) -> VisionLanguage | None:
+    """The :data:`AUDITED` entry of ``model``'s class (or of a base of it); None for a text
+    model."""
+    return next((AUDITED[c.__name__] for c in type(model).__mro__ if c.__name__ in AUDITED), None)
+
+
 def check_backbone_inputs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -357,7 +369,7 @@ def check_backbone_inputs(
     ``input_ids`` with their pixel values and the reverse, grids and per-image token counts
     that match, the type ids, and position ids of the rank its rope takes."""
     name = type(model).__name__
-    spec = next((AUDITED[c.__name__] for c in type(model).__mro__ if c.__name__ in AUDITED), None)
+    spec = audited(model)
     taken = spec.inputs if spec is not None else frozenset()
     foreign = sorted(k for k in MULTIMODAL_INPUTS - taken if model_kwargs.get(k) is not None)
     if foreign:

@@ -44,13 +44,20 @@ there. From megatron-core 0.18 verl passes its ``fused_output_processor`` to
 ``GPTModel.forward(output_processor=...)`` instead (its hook mode); that one is replaced by
 :func:`megatron_output_processor`.
 
+**Vision-language models** (:data:`VLM_CLASSES`: the Qwen-VL classes verl gives a fused
+forward of its own): the image / video inputs verl's engine passes (its ``multi_modal_inputs``)
+go to ``model.model``, verl's own backbone forward after ``apply_monkey_patch``, after the HF
+functions' checks of them (:func:`logitless.integrations.hf_vlm.check_backbone_inputs`); the
+position ids must be verl's ``[4, B, T]`` (``[4, 1, total_nnz]`` packed).
+
 Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
-.SUPPORTED_MODELS` (multimodal models among them), ``inputs_embeds``, multimodal inputs or any
-other keyword argument the forward does not know, a KV cache, ``logits_to_keep``,
-``return_dict=False``, ``output_hidden_states`` / ``output_attentions``. The sum of squared
-probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's engines themselves
-whenever fused kernels are on, before any forward output is read; logitless has no op for it
-either.
+.SUPPORTED_MODELS`, a multimodal model outside :data:`VLM_CLASSES`, image inputs that do not
+match ``input_ids`` (or given to a text model), position ids of the wrong shape,
+``inputs_embeds``, any other keyword argument the forward does not know, a KV cache,
+``logits_to_keep``, ``return_dict=False``, ``output_hidden_states`` / ``output_attentions``.
+The sum of squared probabilities (``actor.calculate_sum_pi_squared``) is refused by verl's
+engines themselves whenever fused kernels are on, before any forward output is read; logitless
+has no op for it either.
 """
 
 from __future__ import annotations
@@ -64,10 +71,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf, hf_model, seam
+from . import hf, hf_model, hf_vlm, seam
 
 __all__ = [
     "BACKENDS",
+    "VLM_CLASSES",
     "install",
     "install_megatron",
     "installed",
@@ -134,19 +142,35 @@ def _patch_forward_with_backends(
 
 
 def use(model: nn.Module, *, batch_invariant: bool = False) -> None:
-    """Give ``model`` (a transformers causal LM of :data:`hf.SUPPORTED_MODELS`) logitless's
-    forward for verl, on the instance: ``model.forward`` becomes :func:`verl_forward`."""
-    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+    """Give ``model`` (a transformers causal LM of :data:`hf.SUPPORTED_MODELS`, or a
+    vision-language model of :data:`VLM_CLASSES`) logitless's forward for verl, on the
+    instance: ``model.forward`` becomes :func:`verl_forward`."""
+    vlm = next((c.__name__ for c in type(model).__mro__ if c.__name__ in VLM_CLASSES), None)
+    if vlm is None and getattr(getattr(model, "config", None), "vision_config", None) is not None:
         raise ValueError(
-            f"impl_backend=logitless: {type(model).__name__} is a multimodal model; logitless "
-            "supports the text-only causal LMs of logitless.integrations.hf.SUPPORTED_MODELS "
-            "(use impl_backend=torch for this model)"
+            f"impl_backend=logitless: {type(model).__name__} is a multimodal model outside "
+            f"{', '.join(VLM_CLASSES)} (the vision-language classes verl's fused kernels serve "
+            "that logitless has audited); use impl_backend=torch for this model"
         )
     try:
         hf.check_model(model)
     except ValueError as err:
         raise ValueError(f"impl_backend=logitless: {err}") from None
     model.forward = types.MethodType(_bound_forward(batch_invariant), model)
+
+
+#: The vision-language classes ``impl_backend=logitless`` serves: those verl 0.9's
+#: ``patch_forward_with_backends`` gives a fused forward of its own (by ``config.model_type``:
+#: ``verl.models.transformers.qwen2_vl`` / ``qwen3_vl``) that logitless's HF integration audits
+#: (:data:`logitless.integrations.hf_vlm.AUDITED`). verl's ``apply_monkey_patch`` has replaced
+#: their backbone's forward (``model.model``) by its own, which embeds the image / video inputs;
+#: :func:`verl_forward` calls it as verl's fused forwards do.
+VLM_CLASSES: tuple[str, ...] = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+)
 
 
 def _bound_forward(batch_invariant: bool):
@@ -157,14 +181,9 @@ def _bound_forward(batch_invariant: bool):
 
 
 # Keyword arguments verl's engines may hand a model's forward that logitless refuses, and what
-# they are (any other unknown name is refused too).
-_UNSUPPORTED_KWARGS = {
-    "pixel_values": "multimodal inputs",
-    "image_grid_thw": "multimodal inputs",
-    "pixel_values_videos": "multimodal inputs",
-    "video_grid_thw": "multimodal inputs",
-    "calculate_sum_pi_squared": "the sum of squared probabilities",
-}
+# they are (any other unknown name is refused too; image / video inputs are checked against
+# the model by hf_vlm.check_backbone_inputs).
+_UNSUPPORTED_KWARGS = {"calculate_sum_pi_squared": "the sum of squared probabilities"}
 
 
 def verl_forward(
@@ -203,6 +222,7 @@ def verl_forward(
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
+    media = {k: loss_kwargs.pop(k) for k in list(loss_kwargs) if k in hf_vlm.MULTIMODAL_INPUTS}
     _refuse(
         inputs_embeds=inputs_embeds,
         past_key_values=past_key_values,
@@ -216,20 +236,18 @@ def verl_forward(
     )
     if input_ids is None:
         raise ValueError("impl_backend=logitless needs input_ids (inputs_embeds is not supported)")
-    if position_ids is not None and position_ids.dim() != input_ids.dim():
-        raise ValueError(
-            f"impl_backend=logitless: position_ids of shape {tuple(position_ids.shape)} (3-D "
-            "rope position ids are multimodal models') are not supported; expected "
-            f"{tuple(input_ids.shape)}"
-        )
     lm_head, _, _ = hf.check_model(model)
+    media = {k: v for k, v in media.items() if v is not None}
+    _check_inputs(model, input_ids, attention_mask, position_ids, media)
     labels = _labels(input_ids, attention_mask, labels, shift_labels)
-    # The backbone as verl's own fused forwards call it (``forward_base_model``), no cache.
+    # The backbone as verl's own fused forwards call it, no cache: a vision-language model's
+    # ``model.model`` (verl's own forward of it after apply_monkey_patch) with its image inputs.
     backbone = model.model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
+        **media,
     )
     tokens = seam.Tokens(backbone.last_hidden_state, labels)
     options = dict(
@@ -261,6 +279,33 @@ _IGNORE = -100
 #: gradient itself), and its ``ContextParallel(group, "contiguous")`` description only matters
 #: to a loss's per-document statistics, which verl computes from the gathered log-probs.
 _ULYSSES = seam.Parallelism()
+
+
+def _check_inputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    media: dict[str, Any],
+) -> None:
+    """What the backbone gets, checked as the HF functions check it
+    (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`: image inputs only for a
+    model that takes them, matching the image tokens of ``input_ids``, position ids of its
+    rope's rank); a vision-language model also needs verl's ``[4, B, T]`` position ids (text
+    positions first: what verl's datasets build and its Qwen2-VL forward demands; without the
+    text row a packed row's documents would attend to each other)."""
+    try:
+        hf_vlm.check_backbone_inputs(model, input_ids, attention_mask, position_ids, media)
+    except ValueError as err:
+        raise ValueError(f"impl_backend=logitless: {err}") from None
+    spec = hf_vlm.audited(model)
+    if spec is not None and spec.mrope and (position_ids is None or position_ids.shape[0] != 4):
+        got = "None" if position_ids is None else str(tuple(position_ids.shape))
+        raise ValueError(
+            f"impl_backend=logitless: {type(model).__name__} in verl needs position_ids of shape "
+            f"[4, B, T] (text positions, then the three multimodal rope sections, as verl's "
+            f"datasets build them) with input_ids' [B, T] = {tuple(input_ids.shape)}; got {got}"
+        )
 
 
 def _labels(
@@ -298,7 +343,7 @@ def _refuse(
     """The arguments verl's forward takes that logitless does not: ``ValueError`` naming them."""
     named = []
     if inputs_embeds is not None:
-        named.append("inputs_embeds (multimodal models and embedding inputs)")
+        named.append("inputs_embeds (embedding inputs)")
     if past_key_values is not None or use_cache:
         named.append("a KV cache (past_key_values / use_cache=True)")
     if cache_position is not None:
@@ -310,7 +355,7 @@ def _refuse(
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         named.append("logits_to_keep (logitless never builds logits)")
     for name in sorted(loss_kwargs):
-        what = _UNSUPPORTED_KWARGS.get(name, "an argument verl's text-model forward does not take")
+        what = _UNSUPPORTED_KWARGS.get(name, "an argument verl's fused forwards do not take")
         named.append(f"{name} ({what})")
     if named:
         raise ValueError(
