@@ -415,11 +415,10 @@ def main() -> None:
             "task": args.task,
             "main_grad": args.main_grad or args.distributed_optimizer,
             "loss_path": args.loss_path if args.task == "loss" else "",
-            "distributed_optimizer": args.distributed_optimizer,
-            "peak_mb_per_rank_before_optimizer": "",
         }
-        if args.distributed_optimizer:
+        if args.distributed_optimizer:  # its columns, only in its rows (empty in the others)
             head = max(r["head_peak"] for r in res)
+            rows[method]["distributed_optimizer"] = True
             rows[method]["peak_mb_per_rank_before_optimizer"] = round(head / 2**20, 1)
         r = rows[method]
         value = "" if res[0]["loss"] is None else f", loss {res[0]['loss']:.6f}"
