@@ -10,19 +10,7 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 VENV=${SKYRL_VENV:-.venv-skyrl}  # SKYRL_VENV: an existing venv to reuse
 
-python312() {  # $PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH
-    local c
-    for c in "${PYTHON312:-}" \
-        "$(command -v pyenv >/dev/null && echo "$(pyenv root)/versions/$(pyenv latest 3.12 2>/dev/null)/bin/python")" \
-        python3.12; do
-        if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            echo "$c"
-            return 0
-        fi
-    done
-    echo "no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2
-    return 1
-}
+source .ci/_python312.sh  # python312
 
 [ -x "$VENV/bin/python" ] || "$(python312)" -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0 'skyrl>=0.4,<0.5' 'megatron-core>=0.19,<0.20' 'pytest>=7' numpy \

@@ -2,6 +2,7 @@
 
     python benchmarks/megatron_head.py --seq 8192 --hidden 1024 --vocab 151936 --tp 2
     python benchmarks/megatron_head.py --task loss --entropy --main-grad
+    python benchmarks/megatron_head.py --task loss --entropy --distributed-optimizer
 
 The head of a megatron-core GPTModel on ``tp`` gloo ranks, fp32: the decoder's hidden states
 ``[S, 1, H]`` and a real ``ColumnParallelLinear`` output layer (``gather_output=False``, this
@@ -35,6 +36,18 @@ adds its weight gradient straight into ``main_grad`` (gradient-accumulation fusi
 default under Megatron's DDP). The buffer is allocated before the measurement, outside the
 "extra" of both.
 
+``--distributed-optimizer``: a training step as Megatron-LM runs it with its distributed
+optimizer. The output layer is wrapped in megatron-core's ``DistributedDataParallel``
+(``use_distributed_optimizer``, ``overlap_grad_reduce``, ``overlap_param_gather``,
+``grad_reduce_in_fp32``), whose fp32 ``main_grad`` buffer and backward hook replace
+``--main-grad``'s, and a step is: ``zero_grad_buffer``, the forward (DDP's forward pre-hook
+finishes the weight's all-gather), the backward, ``finish_grad_sync`` and the
+``DistributedOptimizer``'s (Adam) step, both ways. On ``tp`` ranks the data-parallel size is 1:
+the optimizer's shard is the whole of this rank's weight. megatron-core on a CPU needs the
+test suite's shims (``tests/_megatron_shim.py``: the optimizer dispatches on ``param.type()``,
+makes its scalars on ``"cuda"``, ...); the Adam states are allocated in the warm-up step,
+outside the measured "extra".
+
 Each method runs in fresh processes (one per rank, file:// rendezvous). Every rank reports its
 peak extra RSS during one step (high-water mark reset before it) and the median time of
 ``--repeats`` steps; a row is the maximum over ranks. The machine's cores are split between the
@@ -64,6 +77,13 @@ METHODS = ("megatron", "logitless")
 def _rank(rank: int, method: str, args, tmp: str) -> None:
     warnings.filterwarnings("ignore")
     tp = args.tp
+    if args.distributed_optimizer:  # megatron-core's CUDA hard-codings, pointed at the CPU
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import _megatron_shim
+
+        _megatron_shim.install()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=tp)
     try:
@@ -87,9 +107,11 @@ def _measure(method: str, args) -> dict:
 
     if not torch.cuda.is_available():  # Megatron's gathers allocate on the current CUDA device
         torch.cuda.current_device = lambda: "cpu"
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, create_gloo_process_groups=args.distributed_optimizer
+    )
     s, h, v = args.seq, args.hidden, args.vocab
-    config = TransformerConfig(
+    layer_config = TransformerConfig(
         num_layers=1,
         hidden_size=h,
         num_attention_heads=args.tp,
@@ -98,7 +120,7 @@ def _measure(method: str, args) -> dict:
         perform_initialization=False,
     )
     layer = ColumnParallelLinear(
-        h, v, config=config, init_method=None, bias=False, gather_output=False
+        h, v, config=layer_config, init_method=None, bias=False, gather_output=False
     )
     g = torch.Generator().manual_seed(ps.get_tensor_model_parallel_rank())
     with torch.no_grad():
@@ -117,23 +139,31 @@ def _measure(method: str, args) -> dict:
         vp = logitless.VocabParallel(ps.get_tensor_model_parallel_group(), start, start + rows)
     parallel = seam.Parallelism(vocab=vp)
     config = logitless.PolicyLossConfig(entropy_coef=ENTROPY_COEF if args.entropy else 0.0)
+    ddp = opt = None
+    norms: list[float] = []  # the head weight's gradient norm per optimizer step
+    if args.distributed_optimizer:  # DDP's main_grad and hook; the weight moves to its buffer
+        ddp, opt = _distributed_optimizer(layer, layer_config)
     weight = layer.weight
-    if args.main_grad:  # what Megatron's DDP gives the parameter, and its backward hook
+    if args.main_grad and not args.distributed_optimizer:
+        # what Megatron's DDP gives the parameter, and its backward hook
         weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
         weight.grad_added_to_main_grad = False
         node = weight.expand_as(weight).grad_fn.next_functions[0][0]
         node.register_hook(_ddp_hook(weight))
 
     def into():
-        return megatron.main_grad_into(weight) if args.main_grad else None
+        fused = args.main_grad or args.distributed_optimizer
+        return megatron.main_grad_into(weight) if fused else None
 
     def megatron_logprobs() -> None:
         logits, _ = layer(hidden)  # [S, 1, V/tp]
-        logp = -vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
-        loss = (logp.transpose(0, 1) * up[0]).sum()
-        if args.entropy:
+        ent = None
+        if args.entropy:  # before vocab_parallel_cross_entropy, which turns its input into p
             full = gather_from_tensor_model_parallel_region(logits)
             ent = -(full.softmax(-1) * full.log_softmax(-1)).sum(-1)
+        logp = -vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
+        loss = (logp.transpose(0, 1) * up[0]).sum()
+        if ent is not None:
             loss = loss + (ent.transpose(0, 1) * up[1]).sum()
         loss.backward()
 
@@ -195,16 +225,24 @@ def _measure(method: str, args) -> dict:
         ("logitless", "loss"): logitless_loss,
     }
     step = steps[method, args.task]
+    mem = CpuPeakMemory()
+    head_peaks: list[int] = []  # per step: the peak before the optimizer's step
+    if args.distributed_optimizer:
+        step = _optimizer_step(
+            step, ddp, opt, norms, lambda: head_peaks.append(mem.peak_extra_bytes())
+        )
 
     def clear() -> None:
         hidden.grad = weight.grad = None
-        if args.main_grad:
+        if args.distributed_optimizer:
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+        elif args.main_grad:
             weight.main_grad.zero_()
             weight.grad_added_to_main_grad = False
 
     value = step()  # warm-up; the loss task's loss, to compare the two ways
     clear()
-    mem = CpuPeakMemory()
     mem.start()
     step()
     peak = mem.peak_extra_bytes()
@@ -215,7 +253,10 @@ def _measure(method: str, args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     loss = None if value is None else float(value)
-    return {"peak": peak, "time": statistics.median(times), "loss": loss}
+    norm = norms[0] if norms else None  # the warm-up step's: the same weights both ways
+    head_peak = head_peaks[1] if head_peaks else None  # the measured step's
+    return {"peak": peak, "time": statistics.median(times), "loss": loss, "grad_norm": norm,
+            "head_peak": head_peak}  # fmt: skip
 
 
 ENTROPY_COEF = 0.01
@@ -233,6 +274,42 @@ def _ddp_hook(weight):
         weight.grad = None
 
     return hook
+
+
+def _distributed_optimizer(layer, config):
+    """megatron-core's DDP for the distributed optimizer, both overlaps, around ``layer``; its
+    ``DistributedOptimizer`` (Adam: the only one it takes)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
+        overlap_param_gather=True,
+    )  # fmt: skip
+    ddp = DistributedDataParallel(config, ddp_config, module=layer)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0,
+                        use_distributed_optimizer=True),
+        [ddp],
+    )  # fmt: skip
+    return ddp, opt
+
+
+def _optimizer_step(step, ddp, opt, norms: list, before_optimizer):
+    """``step`` (forward + backward), then the gradient sync and the optimizer's step (its
+    gradient-norm clipping at 1.0, Megatron-LM's default); each step's gradient norm is
+    appended to ``norms``; ``before_optimizer()`` is called before the optimizer's step."""
+
+    def train_step():
+        value = step()
+        ddp.finish_grad_sync()
+        before_optimizer()
+        ok, norm, _ = opt.step()
+        assert ok, "the optimizer skipped its step"
+        norms.append(float(norm))
+        return value
+
+    return train_step
 
 
 def _grpo_loss(logp, old, adv, ent):
@@ -307,6 +384,12 @@ def main() -> None:
         help="a preallocated fp32 main_grad and Megatron DDP's hook on the weight",
     )
     p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="a training step under megatron-core's DDP and DistributedOptimizer (both "
+        "overlaps; implies DDP's main_grad, see the module docstring)",
+    )
+    p.add_argument(
         "--loss-path",
         choices=("fused", "composed"),
         default="fused",
@@ -330,16 +413,27 @@ def main() -> None:
             "peak_mb_per_rank": round(max(r["peak"] for r in res) / 2**20, 1),
             "median_s": round(max(r["time"] for r in res), 4),
             "task": args.task,
-            "main_grad": args.main_grad,
+            "main_grad": args.main_grad or args.distributed_optimizer,
             "loss_path": args.loss_path if args.task == "loss" else "",
         }
+        if args.distributed_optimizer:  # its columns, only in its rows (empty in the others)
+            head = max(r["head_peak"] for r in res)
+            rows[method]["distributed_optimizer"] = True
+            rows[method]["peak_mb_per_rank_before_optimizer"] = round(head / 2**20, 1)
         r = rows[method]
         value = "" if res[0]["loss"] is None else f", loss {res[0]['loss']:.6f}"
+        if res[0]["grad_norm"] is not None:
+            value += f", weight gradient norm {res[0]['grad_norm']:.6g}"
         composed = method == "logitless" and r["loss_path"] == "composed"
         how = args.task + (", composed" if composed else "")
+        how += ", main_grad" if args.main_grad else ""
+        how += ", distributed optimizer" if args.distributed_optimizer else ""
+        peak = f"{r['peak_mb_per_rank']:.1f} MB"
+        if args.distributed_optimizer:
+            peak += f" ({r['peak_mb_per_rank_before_optimizer']:.1f} MB before the optimizer)"
         print(
-            f"{method} ({how}{', main_grad' if args.main_grad else ''}): peak extra "
-            f"memory per rank {r['peak_mb_per_rank']:.1f} MB, step {r['median_s']:.3f} s{value}",
+            f"{method} ({how}): peak extra memory per rank {peak}, "
+            f"step {r['median_s']:.3f} s{value}",
             flush=True,
         )
     ours, theirs = rows["logitless"], rows["megatron"]

@@ -133,9 +133,12 @@ def install() -> None:
         module.torch = cpu_torch
 
 
-def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, gloo_groups: bool = False) -> None:
+def init_parallel(
+    tp: int = 1, cp: int = 1, pp: int = 1, gloo_groups: bool = False, vpp: int | None = None
+) -> None:
     """``initialize_model_parallel`` on the gloo world (data-parallel size: the rest);
-    ``gloo_groups``: also Megatron's gloo copies of its groups (the distributed optimizer's)."""
+    ``gloo_groups``: also Megatron's gloo copies of its groups (the distributed optimizer's);
+    ``vpp``: virtual pipeline stages (model chunks) per pipeline rank."""
     install()
     from megatron.core import parallel_state as ps
 
@@ -145,6 +148,7 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, gloo_groups: bool = Fal
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         create_gloo_process_groups=gloo_groups,
+        virtual_pipeline_model_parallel_size=vpp,
     )
 
 
@@ -192,11 +196,14 @@ def gpt_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     pp: int = 1,
+    vpp: int | None = None,
+    vp_stage: int | None = None,
     **config: object,
 ):
     """A tiny GPTModel, the same full weights on every rank (each rank holds its shards);
     ``config``: more TransformerConfig fields (``use_mup=True``, ...). ``pp``: this rank's
-    pipeline stage of ``layers`` layers (``parallel_state``'s pipeline rank)."""
+    pipeline stage of ``layers`` layers (``parallel_state``'s pipeline rank); with ``vpp``,
+    its model chunk ``vp_stage`` (of ``vpp`` per pipeline rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -216,6 +223,7 @@ def gpt_model(
         attention_dropout=0.0,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype,
+        virtual_pipeline_model_parallel_size=vpp,
         **config,
     )
     layer = get_gpt_layer_local_spec()
@@ -232,7 +240,9 @@ def gpt_model(
             sub, input_layernorm=_Norm, pre_mlp_layernorm=_Norm, self_attention=attention
         ),
     )
-    spec = TransformerBlockSubmodules(layer_specs=[layer] * (layers // pp), layer_norm=_Norm)
+    spec = TransformerBlockSubmodules(
+        layer_specs=[layer] * (layers // (pp * (vpp or 1))), layer_norm=_Norm
+    )
     torch.manual_seed(seed)  # use_cpu_initialization: the master weight, then this rank's part
     with _cuda_is_cpu():  # a tied last stage's word embedding: .cuda() before its all-reduce
         model = GPTModel(
@@ -242,8 +252,9 @@ def gpt_model(
             max_sequence_length=256,
             parallel_output=True,
             share_embeddings_and_output_weights=tied,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            **({} if vp_stage is None else {"vp_stage": vp_stage}),
         )
     with torch.no_grad():  # layer norms away from the identity, so their gradients are tested
         for name, p in model.named_parameters():

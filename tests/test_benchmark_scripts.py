@@ -71,3 +71,25 @@ def test_deepspeed_grpo_step_runs():
     assert len(losses) == 4, out  # both trainers, both ranks
     for rank in ("0", "1"):
         assert losses["trl", rank] == losses["logitless", rank], out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+def test_megatron_head_distributed_optimizer_runs(tmp_path):
+    """megatron_head.py --distributed-optimizer (the GRPO step with the entropy bonus under
+    megatron-core's DistributedOptimizer): both ways give the same loss and, after Megatron's
+    gradient sync, the same weight-gradient norm; the rows carry the mode."""
+    import re
+
+    out = _run(
+        "megatron_head.py",
+        *("--seq", "64", "--hidden", "32", "--vocab", "500", "--tp", "2", "--repeats", "1"),
+        *("--task", "loss", "--entropy", "--distributed-optimizer"),
+        *("--csv", str(tmp_path / "mh.csv")),
+    )
+    found = re.findall(r"optimizer\): peak .* loss (-?[0-9.]+), weight gradient norm (\S+)", out)
+    assert len(found) == 2, out
+    (loss, norm), (loss2, norm2) = [(float(a), float(b)) for a, b in found]
+    assert abs(loss - loss2) < 1e-5 and abs(norm - norm2) <= 1e-4 * norm, out
+    lines = (tmp_path / "mh.csv").read_text().splitlines()
+    assert lines[0].endswith(",distributed_optimizer,peak_mb_per_rank_before_optimizer"), lines
+    assert len(lines) == 3 and all(",True," in line for line in lines[1:]), lines

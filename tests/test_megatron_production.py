@@ -372,10 +372,13 @@ def _megatron_step(micro_batches, normalizer, per_token: bool = False):
 
 
 def _run_schedule(model, micro_batches, forward_step) -> None:
+    """``get_forward_backward_func()`` over ``micro_batches``; ``model`` a list of model chunks
+    (virtual pipeline stages): a data iterator per chunk, as the interleaved schedule takes."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    data = [iter(micro_batches) for _ in model] if isinstance(model, list) else iter(micro_batches)
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
+        forward_step_func=forward_step, data_iterator=data, model=model,
         num_microbatches=len(micro_batches), seq_length=micro_batches[0]["tokens"].shape[1],
         micro_batch_size=micro_batches[0]["tokens"].shape[0], forward_only=False,
     )  # fmt: skip
@@ -548,6 +551,87 @@ def _pipeline_case(rank: int, tp: int, tied: bool, per_token: bool) -> None:
         tm._example().train_step(ddp, bad, per_token=per_token)
 
 
+def _interleaved_train_step(chunks: list, micro_batches: list[dict]) -> None:
+    """docs/megatron.md's recipe for interleaved (virtual) pipeline stages: the layout read
+    from one chunk, a data iterator per chunk, the recipe's forward_step on every chunk."""
+    from logitless.integrations import megatron as lm
+    from logitless.integrations.seam import LossInputs
+
+    example = tm._example()
+    layouts = [lm.token_layout(chunks[-1], mb["labels"], mb["loss_mask"]) for mb in micro_batches]
+    normalizer = lm.step_normalizer([m for m, _ in layouts], [d for _, d in layouts])
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        inputs = LossInputs(old_logprobs=mb["old_logprobs"], advantages=mb["advantages"],
+                            document_ids=mb["document_ids"])  # fmt: skip
+        return lm.policy_loss_step(
+            model, mb["tokens"], mb["position_ids"], mb["attention_mask"], mb["labels"],
+            inputs, config=example.config, normalizer=normalizer,
+            num_microbatches=len(micro_batches), loss_mask=mb["loss_mask"],
+            packed_seq_params=mb["packed_seq_params"],
+        )  # fmt: skip
+
+    _run_schedule(chunks, micro_batches, forward_step)
+
+
+def _virtual_pipeline_case(rank: int) -> None:
+    """PP=2 with two virtual stages per rank (interleaved 1F1B: four model chunks of one
+    layer, the head on rank 1's second chunk), 4 micro-batches, megatron-core's DDP per chunk
+    and finalize_model_grads: every parameter of every chunk gets the main_grad of Megatron's
+    logits path through the same schedule, and float64."""
+    from _megatron_shim import gpt_model, init_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from logitless.integrations import megatron
+
+    init_parallel(1, pp=2, vpp=2)
+
+    def build(vp_stage, dtype=torch.float32):
+        return gpt_model(pp=2, vpp=2, vp_stage=vp_stage, layers=4, vocab=V, dtype=dtype)
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True)
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        chunks = []
+        for i in range(2):
+            model = build(i)
+            if dtype == torch.float64:
+                model = tm._float64_copy(model, lambda dtype, i=i: build(i, dtype))
+            chunks.append(DistributedDataParallel(model.config, ddp_config, module=model,
+                                                  disable_bucketing=i > 0))  # fmt: skip
+        config = chunks[0].module.config  # what Megatron-LM sets for the interleaved schedule
+        config.no_sync_func = [c.no_sync for c in chunks]
+        config.grad_sync_func = [c.start_grad_sync for c in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
+        runs.append(chunks)
+    mbs = _micro_batches(range(30, 34))
+    chunks, chunks64 = runs
+    norm = megatron.step_normalizer(
+        [megatron.token_layout(chunks[-1], mb["labels"], mb["loss_mask"])[0] for mb in mbs],
+        [mb["document_ids"] for mb in mbs],
+    )  # fmt: skip
+
+    def grads(chunks):
+        return {f"{i}.{n}": g for i, c in enumerate(chunks) for n, g in _after_schedule(c).items()}
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+
+    assert get_forward_backward_func() is schedules.forward_backward_pipelining_with_interleaving
+    _interleaved_train_step(chunks, mbs)
+    ours = grads(chunks)
+    _run_schedule(chunks, mbs, _megatron_step(mbs, norm))
+    ref = grads(chunks)
+    _run_schedule(chunks64, mbs, _megatron_step(mbs, norm))
+    exact = grads(chunks64)
+    assert sum("output_layer" in n for n in ours) == (rank == 1), sorted(ours)
+    _compare(ours, ref, exact, f"rank {rank}", 4 * tm._param_floor(mbs[0]))
+
+
 CHECKS = {
     "bf16_head": _bf16_head_case,
     "bf16_divergence": _bf16_divergence_case,
@@ -555,6 +639,7 @@ CHECKS = {
     "bf16_per_token": _bf16_per_token_case,
     "distributed_optimizer": _distributed_optimizer_case,
     "pipeline": _pipeline_case,
+    "virtual_pipeline": _virtual_pipeline_case,
 }
 
 
@@ -580,6 +665,7 @@ def _run_checks(rank: int, world: int, checks: list[tuple[str, tuple]]) -> dict[
 TWO_RANKS = [
     ("pipeline", (1, False, False)),
     ("pipeline:tied_per_token", (1, True, True)),
+    ("virtual_pipeline", ()),
     ("distributed_optimizer", (1,)),
     ("bf16_head", (False,)),
     ("bf16_head:sp", (True,)),
@@ -638,6 +724,12 @@ def test_pipeline_parallel_recipe(two_ranks, name):
     both stages gives Megatron's gradients (then with tied embeddings and the per-token loss);
     bad input raises on both stages."""
     tm._passed(two_ranks, name)
+
+
+def test_virtual_pipeline_stages(two_ranks):
+    """PP=2 x two virtual stages (interleaved 1F1B, a list of model chunks): the recipe with a
+    data iterator per chunk gives every chunk's main_grad of Megatron's path and float64."""
+    tm._passed(two_ranks, "virtual_pipeline")
 
 
 def test_pipeline_and_tensor_parallel(four_ranks):
