@@ -176,8 +176,9 @@ def assert_run_no_worse(ours, stock, truth, initial, name: str = "") -> int:
     assert len([e for e in t_log if "loss" in e]) >= 2
     assert len(o_log) == len(s_log) == len(t_log), name
     for step, (o, s, t) in enumerate(zip(o_log, s_log, t_log, strict=True)):
-        assert set(o) == set(s) == set(t), (name, step)
-        for key in sorted(set(t) - set(TIMING_KEYS)):
+        # ZeRO stage 0 logs no grad_norm (it clips, but keeps no norm): a key the truth may add
+        assert set(o) == set(s) <= set(t), (name, step, set(o) ^ set(s), set(s) - set(t))
+        for key in sorted(set(s) - set(TIMING_KEYS)):
             values = (torch.tensor(float(e[key]), dtype=torch.float64) for e in (o, s, t))
             assert_no_worse_than_reference(*values, f"{name} log {step} {key}", floor=4 * FLOOR)
     assert set(o_params) == set(s_params) == set(t_params), name
