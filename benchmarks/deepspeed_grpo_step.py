@@ -40,19 +40,13 @@ def _rank(rank: int, world: int, variant: str, args: argparse.Namespace, tmp: st
     import transformers
     import trl
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from trl_step import grpo_inputs, tokenizer
 
     from logitless.apps.memory import CpuPeakMemory, _proc_status_kib
     from logitless.integrations.trl import LogitlessGRPOTrainer
 
     torch.set_num_threads(args.threads)
     deepspeed.init_distributed(dist_backend="gloo")
-    words = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
-    )
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=128,
@@ -76,7 +70,7 @@ def _rank(rank: int, world: int, variant: str, args: argparse.Namespace, tmp: st
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=grpo,
         train_dataset=Dataset.from_dict({"prompt": ["<bos>"] * args.batch}),
-        processing_class=tokenizer,
+        processing_class=tokenizer(),
     )
     trainer.create_optimizer_and_scheduler(num_training_steps=1)
     engine, _ = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
@@ -85,16 +79,8 @@ def _rank(rank: int, world: int, variant: str, args: argparse.Namespace, tmp: st
     engine.train()
     trainer.current_gradient_accumulation_steps = 1
 
-    g = torch.Generator().manual_seed(1 + rank)
-    b, p, c = args.batch, args.prompt, args.completion
-    inputs = {
-        "prompt_ids": torch.randint(3, args.vocab, (b, p), generator=g),
-        "prompt_mask": torch.ones(b, p, dtype=torch.long),
-        "completion_ids": torch.randint(3, args.vocab, (b, c), generator=g),
-        "completion_mask": torch.ones(b, c, dtype=torch.long),
-        "advantages": torch.randn(b, generator=g),
-        "num_items_in_batch": torch.tensor(b * c * world),
-    }
+    b, c = args.batch, args.completion
+    inputs = grpo_inputs(args.vocab, b, args.prompt, c, seed=1 + rank, items=b * c * world)
 
     def step() -> float:
         loss = trainer.compute_loss(engine, dict(inputs))

@@ -43,16 +43,9 @@ def _trainer(variant: str, args: argparse.Namespace):
     import transformers
     import trl
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     from logitless.integrations.trl import LogitlessGRPOTrainer
 
-    words = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
-    )
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
         vocab_size=args.vocab,
@@ -83,26 +76,42 @@ def _trainer(variant: str, args: argparse.Namespace):
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=grpo,
         train_dataset=Dataset.from_dict({"prompt": ["<bos>"] * args.batch}),
-        processing_class=tokenizer,
+        processing_class=tokenizer(),
     )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer
 
 
-def _inputs(args: argparse.Namespace):
+def tokenizer():
+    """The trainers' processing class: a word-level tokenizer of <pad>, <eos>, <bos> (the
+    batches are made of token ids)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+
+
+def grpo_inputs(vocab: int, batch: int, prompt: int, completion: int, *, seed: int, items=None):
+    """A GRPO micro-batch as TRL's ``compute_loss`` takes it: random prompt and completion ids,
+    full masks, random advantages; ``num_items_in_batch`` = ``items`` (default: this batch's
+    completion tokens)."""
     import torch
 
-    g = torch.Generator().manual_seed(1)
-    completion = args.seq - args.prompt
-    completion_mask = torch.ones(args.batch, completion, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
     return {
-        "prompt_ids": torch.randint(3, args.vocab, (args.batch, args.prompt), generator=g),
-        "prompt_mask": torch.ones(args.batch, args.prompt, dtype=torch.long),
-        "completion_ids": torch.randint(3, args.vocab, (args.batch, completion), generator=g),
+        "prompt_ids": torch.randint(3, vocab, (batch, prompt), generator=g),
+        "prompt_mask": torch.ones(batch, prompt, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab, (batch, completion), generator=g),
         "completion_mask": completion_mask,
-        "advantages": torch.randn(args.batch, generator=g),
-        "num_items_in_batch": completion_mask.sum(),
+        "advantages": torch.randn(batch, generator=g),
+        "num_items_in_batch": completion_mask.sum() if items is None else torch.tensor(items),
     }
 
 
@@ -111,7 +120,7 @@ def _worker(variant: str, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     trainer = _trainer(variant, args)
-    inputs = _inputs(args)
+    inputs = grpo_inputs(args.vocab, args.batch, args.prompt, args.seq - args.prompt, seed=1)
 
     def step() -> float:
         trainer.model.zero_grad(set_to_none=True)
@@ -119,9 +128,7 @@ def _worker(variant: str, args: argparse.Namespace) -> dict:
         loss.backward()
         return float(loss)
 
-    return time_step(
-        variant, step, lambda: trainer.model.zero_grad(set_to_none=True), args.repeats
-    )
+    return time_step(variant, step, lambda: trainer.model.zero_grad(set_to_none=True), args.repeats)
 
 
 def _run(variant: str, argv: list[str]) -> dict:

@@ -10,7 +10,8 @@ float64 truth (the same model unwrapped in float64, gradients averaged over the 
 tests/_tolerance.py). After the backward the head weight must be partitioned again (no
 full-size copy kept) and no gather left open.
 
-A mutation that closes the gather when the head's forward returns (``_close_early``) must
+One launch of 2 processes runs every case (tied and untied heads). A mutation that closes the
+gather when the head's forward returns (``_close_early``), run last in the same launch, must
 fail every kind: the log-prob op and the divergence read the weight again in backward, and
 torch accumulates the fused loss's weight gradient only into a parameter of its full shape.
 """
@@ -135,21 +136,16 @@ def _bad_input(engine) -> str:
     return "no error"
 
 
-def _worker(rank: int, world: int, tied: bool, kinds, mutate: bool):
-    ds_env(rank, world, 29531)
-    import deepspeed
+def _compare(kind, tied: bool, batch, world: int, mutate: bool = False):
+    """One kind on fresh engines of one model: the float64 truth and stock's and logitless'
+    loss and full gradients; with ``mutate``, the message logitless' backward fails with."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
     from logitless.integrations import deepspeed as lds
 
-    if mutate:
-        lds.run_gathered = _close_early
-    deepspeed.init_distributed(dist_backend="gloo")
-    batch = _batch(rank)
-    out = {"bad input": _bad_input(_engine(_model(False)))}
-    for kind in kinds:
-        base, t_base = _model(tied), _model(False, width=24, seed=1)
+    base, t_base = _model(tied), _model(False, width=24, seed=1)
+    if not mutate:
         truth_model = copy.deepcopy(base).double()
         truth = _stock(kind, truth_model, t_base.double(), batch)
         truth.backward()
@@ -158,43 +154,61 @@ def _worker(rank: int, world: int, tied: bool, kinds, mutate: bool):
             g = p.grad.clone()
             dist.all_reduce(g)
             truth_grads[n] = g / world
-        teacher = _engine(copy.deepcopy(t_base), optimizer=False)
-        runs = {}
-        for name, fn in (("stock", _stock), ("ours", _ours)):
-            engine = _engine(copy.deepcopy(base))
-            head = engine.module.lm_head.weight
-            assert_partitioned(head)
-            loss = fn(kind, engine, teacher, batch)
-            if mutate and name == "ours":
-                try:
-                    engine.backward(loss)
-                except RuntimeError as e:
-                    out[kind] = str(e)
-                    break
-                out[kind] = "backward ran"
-                break
-            engine.backward(loss)
-            grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
-            assert_partitioned(head)  # no full-size copy kept after the step
-            assert_partitioned(teacher.module.lm_head.weight)
-            assert not lds._Hold.open_holds
-            if name == "ours":  # the head weight was never read through DeepSpeed's getter
-                assert not list(engine.module.ds_external_parameters())
-            runs[name] = (loss.detach(), grads)
-        if not mutate:
-            out[kind] = (truth.detach(), truth_grads, runs)
+    teacher = _engine(copy.deepcopy(t_base), optimizer=False)
+    runs = {}
+    for name, fn in (("stock", _stock), ("ours", _ours))[int(mutate) :]:
+        engine = _engine(copy.deepcopy(base))
+        head = engine.module.lm_head.weight
+        assert_partitioned(head)
+        loss = fn(kind, engine, teacher, batch)
+        if mutate:
+            try:
+                engine.backward(loss)
+            except RuntimeError as e:
+                return str(e)
+            return "backward ran"
+        engine.backward(loss)
+        grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+        assert_partitioned(head)  # no full-size copy kept after the step
+        assert_partitioned(teacher.module.lm_head.weight)
+        assert not lds._Hold.open_holds
+        if name == "ours":  # the head weight was never read through DeepSpeed's getter
+            assert not list(engine.module.ds_external_parameters())
+        runs[name] = (loss.detach(), grads)
+    return truth.detach(), truth_grads, runs
+
+
+def _worker(rank: int, world: int, kinds):
+    """Every case in one process per rank (one DeepSpeed start): untied and tied heads, then
+    the mutation (untied)."""
+    ds_env(rank, world, 29531)
+    import deepspeed
+
+    from logitless.integrations import deepspeed as lds
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    batch = _batch(rank)
+    out = {"bad input": _bad_input(_engine(_model(False)))}
+    for tied in (False, True):
+        out["tied" if tied else "untied"] = {k: _compare(k, tied, batch, world) for k in kinds}
+    real, lds.run_gathered = lds.run_gathered, _close_early
+    try:
+        out["mutated"] = {k: _compare(k, False, batch, world, mutate=True) for k in kinds}
+    finally:
+        lds.run_gathered = real
     return out
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def ranks(request):
-    return spawn(_worker, WORLD, request.param, KINDS, False, threads=1, timeout_s=600.0)
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(_worker, WORLD, KINDS, threads=1, timeout_s=600.0)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_hf_functions_on_zero3_match_stock_deepspeed(ranks, kind):
+def test_hf_functions_on_zero3_match_stock_deepspeed(ranks, kind, tied):
     for r in ranks:
-        truth, truth_grads, runs = r[kind]
+        truth, truth_grads, runs = r["tied" if tied else "untied"][kind]
         (stock_loss, stock_grads), (loss, grads) = runs["stock"], runs["ours"]
         # a scalar sum: where stock happens to round exactly, a few ulps of the sum's scale
         assert_no_worse_than_reference(loss, stock_loss, truth, f"{kind} loss", floor=4 * FLOOR)
@@ -222,7 +236,8 @@ def test_offload_and_zero_plus_plus_are_refused_by_name():
     assert "hpz" in config_problem({"zero_optimization": {"zero_hpz_partition_size": 2}})
 
 
-def test_closing_the_gather_before_the_backward_fails():
-    for r in spawn(_worker, WORLD, False, KINDS, True, threads=1, timeout_s=600.0):
+def test_closing_the_gather_before_the_backward_fails(ranks):
+    for r in ranks:
         for kind in KINDS:  # the shape torch checks: [0, H] or ZeRO-3's empty [0]
-            assert "invalid gradient" in r[kind] or "size of tensor a (0)" in r[kind], r[kind]
+            message = r["mutated"][kind]
+            assert "invalid gradient" in message or "size of tensor a (0)" in message, message

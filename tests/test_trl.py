@@ -29,60 +29,31 @@ trl = pytest.importorskip(
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from _trl import (  # noqa: E402  (the shared TRL harness)
+    EOS,
+    RUN,
+    TOKENIZERS,
+    V,
+    assert_same_run,
+    dataset,
+    grpo_args,
+    grpo_trainer,
+    initial,
+    lora_base,
+    reward,
+    save_model,
+    single_thread,
+)
+
 from logitless.integrations.trl import (  # noqa: E402
     LogitlessGRPOMixin,
     LogitlessGRPOTrainer,
     grpo_loss_config,
 )
 
-V = 96
 PROMPTS = 8
-EOS = 1
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_tokenizer():
-    """A word-level tokenizer over V ids: <pad>, <eos>, <bos>, w0 .. w{V-4}."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = {"<pad>": 0, "<eos>": EOS, "<bos>": 2, **{f"w{i}": i + 3 for i in range(V - 3)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
-    )
-
-
-def save_model(path, *, tied: bool = False, moe: bool = False, width: int = 16) -> str:
-    """A tiny random Qwen2 (or Qwen3-MoE: 4 experts, 2 per token, router loss on) saved at
-    ``path``; its tokenizer registered in memory. Returns ``str(path)``."""
-    small = dict(
-        vocab_size=V, hidden_size=width, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=EOS,
-        bos_token_id=2, tie_word_embeddings=tied,
-    )  # fmt: skip
-    if moe:
-        config = transformers.Qwen3MoeConfig(
-            **small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-            output_router_logits=True, router_aux_loss_coef=0.02,
-        )  # fmt: skip
-    else:
-        config = transformers.Qwen2Config(**small)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # logits of a few units: a peaked, non-uniform softmax
-        model.lm_head.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    _TOKENIZERS[str(path)] = make_tokenizer()
-    return str(path)
+_one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 
 
 @pytest.fixture(scope="module")
@@ -90,51 +61,6 @@ def model_dir(tmp_path_factory):
     """A tiny random Qwen2 saved locally (the trainer loads the policy, and with beta > 0 the
     reference model, from this path); the word-level tokenizer is kept in memory."""
     return save_model(tmp_path_factory.mktemp("tiny_qwen2"))
-
-
-_TOKENIZERS: dict = {}
-
-
-def _dataset():
-    prompts = [" ".join(f"w{(7 * i + j) % (V - 3)}" for j in range(2 + i % 4)) for i in range(8)]
-    return datasets.Dataset.from_dict({"prompt": prompts})
-
-
-def _reward(completions, **kwargs):
-    return [len(c) / 10.0 + (sum(map(ord, c)) % 7) / 7.0 for c in completions]
-
-
-def _args(tmp_path, **overrides):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=7,
-        gradient_accumulation_steps=2,
-        bf16=False,
-        report_to=[],
-        gradient_checkpointing=False,
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        logging_steps=1,
-    )
-    base.update(overrides)
-    return trl.GRPOConfig(**base)
-
-
-def _trainer(cls, model_dir, args, peft_config=None, **attrs):
-    trainer = cls(
-        model=model_dir,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=_dataset(),
-        processing_class=_TOKENIZERS[model_dir],
-        peft_config=peft_config,
-    )
-    for name, value in attrs.items():
-        setattr(trainer, name, value)
-    return trainer
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,10 +233,10 @@ def _batch(stock, tweaks):
 @pytest.mark.parametrize("name", list(COMBOS))
 def test_compute_loss_matches_trl(name, model_dir, tmp_path):
     options, attrs, tweaks = COMBOS[name]
-    args = _args(tmp_path, **options)
-    stock = _trainer(trl.GRPOTrainer, model_dir, args, **attrs)
-    ours = _trainer(LogitlessGRPOTrainer, model_dir, args, **attrs)
-    truth = _trainer(trl.GRPOTrainer, model_dir, args, **attrs)
+    args = grpo_args(tmp_path, **options)
+    stock = grpo_trainer(trl.GRPOTrainer, model_dir, args, **attrs)
+    ours = grpo_trainer(LogitlessGRPOTrainer, model_dir, args, **attrs)
+    truth = grpo_trainer(trl.GRPOTrainer, model_dir, args, **attrs)
     truth.model.double()
     truth._get_per_token_logps_and_entropies = types.MethodType(_full_logits_logps, truth)
     inputs = _batch(stock, tweaks)
@@ -356,8 +282,8 @@ def test_compute_loss_under_bf16_matches_trl(model_dir, tmp_path):
         ("stock", trl.GRPOTrainer, True),
         ("ours", LogitlessGRPOTrainer, True),
     ):
-        args = _args(tmp_path / name, **options, bf16=bf16)
-        trainer = _trainer(cls, model_dir, args, **attrs)
+        args = grpo_args(tmp_path / name, **options, bf16=bf16)
+        trainer = grpo_trainer(cls, model_dir, args, **attrs)
         assert trainer.accelerator.mixed_precision == ("bf16" if bf16 else "no")
         trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
         inputs = _batch(trainer, tweaks) if inputs is None else inputs
@@ -409,8 +335,9 @@ def test_batch_invariant_reaches_every_head_call(model_dir, tmp_path, monkeypatc
     losses = {}
     for invariant in (False, True):
         trainer = LogitlessGRPOTrainer(
-            model=model_dir, reward_funcs=_reward, args=_args(tmp_path / str(invariant), **options),
-            train_dataset=_dataset(), processing_class=_TOKENIZERS[model_dir],
+            model=model_dir, reward_funcs=reward, train_dataset=dataset(),
+            args=grpo_args(tmp_path / str(invariant), **options),
+            processing_class=TOKENIZERS[model_dir],
             batch_invariant=invariant,
         )  # fmt: skip
         trainer.current_gradient_accumulation_steps = 2
@@ -427,8 +354,8 @@ def test_batch_invariant_reaches_every_head_call(model_dir, tmp_path, monkeypatc
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         LogitlessGRPOTrainer(
-            model=model_dir, reward_funcs=_reward, args=_args(tmp_path / "bad"),
-            train_dataset=_dataset(), processing_class=_TOKENIZERS[model_dir],
+            model=model_dir, reward_funcs=reward, args=grpo_args(tmp_path / "bad"),
+            train_dataset=dataset(), processing_class=TOKENIZERS[model_dir],
             batch_invariant="yes",
         )  # fmt: skip
 
@@ -461,18 +388,8 @@ def test_loss_configs_of_trl_presets():
 
 
 def _train(cls, model_dir, tmp_path, peft_config=None, **options):
-    args = dict(
-        per_device_train_batch_size=4,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        num_iterations=2,
-        max_steps=2,
-        max_completion_length=6,
-        optim="sgd",
-        learning_rate=0.05,
-    )
-    args = _args(tmp_path, **(args | options))
-    trainer = _trainer(cls, model_dir, args, peft_config)
+    args = grpo_args(tmp_path, **(RUN | options))
+    trainer = grpo_trainer(cls, model_dir, args, peft_config)
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return trainer.state.log_history, params
@@ -488,36 +405,8 @@ def test_train_matches_trl(options, model_dir, tmp_path):
     log-probs on the second), gradient accumulation 2: the same losses, metrics and weights."""
     stock_log, stock_params = _train(trl.GRPOTrainer, model_dir, tmp_path / "a", **options)
     ours_log, ours_params = _train(LogitlessGRPOTrainer, model_dir, tmp_path / "b", **options)
-    moved = assert_same_run(stock_log, stock_params, ours_log, ours_params, _initial(model_dir))
+    moved = assert_same_run(stock_log, stock_params, ours_log, ours_params, initial(model_dir))
     assert moved > 0  # the run trained
-
-
-def assert_same_run(stock_log, stock_params, ours_log, ours_params, initial) -> int:
-    """The same logged losses and metrics and the same final weights (TRL's float rounding
-    aside); returns how many parameters moved from ``initial``."""
-    steps = [e for e in stock_log if "loss" in e]
-    assert len(steps) >= 2 and len([e for e in ours_log if "loss" in e]) == len(steps)
-    for s, o in zip(stock_log, ours_log, strict=True):
-        assert set(s) == set(o)
-        for key in s:
-            if key in ("step_time", "train_runtime", "train_samples_per_second"):
-                continue
-            if key in ("train_steps_per_second",):
-                continue
-            assert o[key] == pytest.approx(s[key], rel=2e-4, abs=1e-6), key
-    moved = 0
-    assert set(ours_params) == set(stock_params)
-    for name, p in stock_params.items():
-        torch.testing.assert_close(ours_params[name], p, rtol=1e-5, atol=1e-6, msg=name)
-        moved += int(name not in initial or not torch.equal(p, initial[name]))
-    return moved
-
-
-def _initial(model_dir, _cache={}):  # noqa: B006 (a per-process cache)
-    if model_dir not in _cache:
-        m = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-        _cache[model_dir] = {n: p.detach() for n, p in m.named_parameters()}
-    return _cache[model_dir]
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,7 +426,7 @@ def _initial(model_dir, _cache={}):  # noqa: B006 (a per-process cache)
 )
 def test_unsupported_options_raise_before_training(options, match, model_dir, tmp_path):
     with pytest.raises(ValueError, match=match):
-        _trainer(LogitlessGRPOTrainer, model_dir, _args(tmp_path, **options))
+        grpo_trainer(LogitlessGRPOTrainer, model_dir, grpo_args(tmp_path, **options))
 
 
 @pytest.mark.parametrize(
@@ -550,11 +439,11 @@ def test_unsupported_options_raise_before_training(options, match, model_dir, tm
 def test_an_option_that_maps_to_an_invalid_value_is_named(options, match, tmp_path):
     """The error names the TRL option the user set, not the logitless field it became."""
     with pytest.raises(ValueError, match=match):
-        grpo_loss_config(_args(tmp_path, **options))
+        grpo_loss_config(grpo_args(tmp_path, **options))
 
 
 def test_floor_of_zero_is_no_floor(tmp_path):
-    args = _args(
+    args = grpo_args(
         tmp_path,
         use_vllm=True,
         vllm_importance_sampling_correction=True,
@@ -568,17 +457,17 @@ def test_unsupported_model_and_later_changes_raise(tmp_path, model_dir):
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2)
     )
-    tok = _TOKENIZERS[model_dir]
+    tok = TOKENIZERS[model_dir]
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LogitlessGRPOTrainer(
             model=gpt2,
-            reward_funcs=_reward,
-            args=_args(tmp_path),
-            train_dataset=_dataset(),
+            reward_funcs=reward,
+            args=grpo_args(tmp_path),
+            train_dataset=dataset(),
             processing_class=tok,
         )
     # an option changed after construction is caught at the next loss, before any compute
-    trainer = _trainer(LogitlessGRPOTrainer, model_dir, _args(tmp_path))
+    trainer = grpo_trainer(LogitlessGRPOTrainer, model_dir, grpo_args(tmp_path))
     inputs = _score(trainer, vllm=False)
     trainer.current_gradient_accumulation_steps = 2
     trainer.loss_type = "vespo"
@@ -596,9 +485,9 @@ def test_mixin_on_a_user_subclass(model_dir, tmp_path):
     class MyLogitlessTrainer(LogitlessGRPOMixin, MyTrainer):
         pass
 
-    args = _args(tmp_path, epsilon_high=0.28)
-    ours = _trainer(MyLogitlessTrainer, model_dir, args)
-    stock = _trainer(trl.GRPOTrainer, model_dir, args)
+    args = grpo_args(tmp_path, epsilon_high=0.28)
+    ours = grpo_trainer(MyLogitlessTrainer, model_dir, args)
+    stock = grpo_trainer(trl.GRPOTrainer, model_dir, args)
     assert ours.marker() == "mine"
     inputs = _batch(stock, ("off_policy",))
     for t in (ours, stock):
@@ -613,7 +502,7 @@ def test_mixin_on_a_user_subclass(model_dir, tmp_path):
 
 def test_no_full_logits_on_the_adapter_path(model_dir, tmp_path, monkeypatch):
     """Neither the loss nor TRL's scoring of completions calls lm_head or the model forward."""
-    ours = _trainer(LogitlessGRPOTrainer, model_dir, _args(tmp_path, beta=0.05))
+    ours = grpo_trainer(LogitlessGRPOTrainer, model_dir, grpo_args(tmp_path, beta=0.05))
     inputs = _score(ours, vllm=False)  # the rollout itself calls model(...) for its log-probs
     calls = []
     for m in (ours.model, ours.ref_model):
@@ -715,13 +604,7 @@ def test_lora_train_matches_trl(model_dir, tmp_path):
     options = {"beta": 0.05, "learning_rate": 0.5}
     stock = _train(trl.GRPOTrainer, model_dir, tmp_path / "a", lora, **options)
     ours = _train(LogitlessGRPOTrainer, model_dir, tmp_path / "b", lora, **options)
-    # the base model's parameters under PEFT's names (prefixed, a wrapped layer's in base_layer)
-    initial = _initial(model_dir)
-    base = {
-        n: initial[n.removeprefix("base_model.model.").replace("base_layer.", "")]
-        for n in ours[1]
-        if "lora_" not in n
-    }
+    base = lora_base(model_dir, ours[1])
     moved = assert_same_run(*stock, *ours, base)
     lora_params = [n for n in ours[1] if "lora_" in n]
     assert lora_params and moved == len(lora_params)  # the adapters, and nothing else
@@ -736,9 +619,9 @@ def test_moe_loss_and_train_match_trl(moe_dir, tmp_path):
     """Qwen3-MoE with the router load-balancing loss (the config's coefficient): the loss,
     every gradient (the routers' included) and the aux_loss metric equal TRL's; then a short
     train()."""
-    args = _args(tmp_path)
-    ours = _trainer(LogitlessGRPOTrainer, moe_dir, args)
-    stock = _trainer(trl.GRPOTrainer, moe_dir, args)
+    args = grpo_args(tmp_path)
+    ours = grpo_trainer(LogitlessGRPOTrainer, moe_dir, args)
+    stock = grpo_trainer(trl.GRPOTrainer, moe_dir, args)
     assert stock.aux_loss_enabled and stock.router_aux_loss_coef == 0.02
     inputs = _batch(stock, ("off_policy",))
     for t in (ours, stock):
@@ -752,4 +635,4 @@ def test_moe_loss_and_train_match_trl(moe_dir, tmp_path):
         torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
     stock_run = _train(trl.GRPOTrainer, moe_dir, tmp_path / "a")
     ours_run = _train(LogitlessGRPOTrainer, moe_dir, tmp_path / "b")
-    assert assert_same_run(*stock_run, *ours_run, _initial(moe_dir)) > 0
+    assert assert_same_run(*stock_run, *ours_run, initial(moe_dir)) > 0

@@ -1,14 +1,24 @@
 """Both TRL trainers against stock TRL under accelerate's DeepSpeed plugin, 2 gloo ranks on
-DeepSpeed's CPU accelerator: ZeRO stages 2 and 3, tied and untied heads.
+DeepSpeed's CPU accelerator: ZeRO stages 0 to 3, tied and untied heads, a LoRA policy
+(ZeRO-3).
 
-Each rank runs, in turn, the stock trainer and the logitless one with the same options and the
-same DeepSpeed config (``GRPOConfig(deepspeed=...)``; under stage 3 every parameter is
-partitioned, ``stage3_param_persistence_threshold=0``, and the head is asserted partitioned
-after training): the logged losses and metrics and every parameter after 2 ``train()`` steps
-must be the same (tests/test_trl.py's ``assert_same_run``, the tolerance the DDP and FSDP2 runs
-are held to). The ranks see different prompts, so gradients that were not reduced end in other
-weights. The early-close mutation of tests/test_deepspeed.py makes both trainers' backward
-fail (untied heads).
+One launch of 2 processes runs every case (DeepSpeed is imported and its communication op
+loaded once). Each rank runs, per case and stage, the stock trainer and the logitless one with
+the same options and the same DeepSpeed config (``GRPOConfig(deepspeed=...)``; under stage 3
+every parameter is partitioned, ``stage3_param_persistence_threshold=0``, and the head is
+asserted partitioned after training), 2 ``train()`` steps (generation, rewards, 2 iterations of
+each batch, gradient accumulation 2). The truth of each case is stock TRL's run of the same
+steps in float64 (the trainer built as the fp32 ones are, its models then cast to float64, and
+trained under DDP on the same 2 ranks: ZeRO's sharding changes no arithmetic of an SGD step,
+and DeepSpeed's optimizers keep float32 master weights). Every logged loss and metric and
+every final parameter of the logitless run must be within 4x stock TRL's own error against
+that truth (max and rms, plus a floor: tests/_tolerance.py, ``_trl.assert_run_no_worse``). The
+ranks see different prompts, so gradients that were not reduced end in other weights.
+
+The mutation of tests/test_deepspeed.py (the head's gather closed when its forward returns)
+runs last in the same launch: both trainers' backward must fail (untied heads, ZeRO-3). Stage 0
+catches the loss returned as the engine's forward output itself (without
+``deepspeed.past_output_hooks``: half of stock TRL's update with gradient accumulation 2).
 """
 
 from __future__ import annotations
@@ -23,135 +33,149 @@ trl = pytest.importorskip(
     "trl", reason="TRL is not installed (pip install -e '.[trl]' in a logitless checkout)"
 )
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
-import test_trl as T  # noqa: E402  (the single-process harness: models, data, comparisons)
-from test_trl_distributed import RUN  # noqa: E402  (the DDP / FSDP2 runs' options)
+import _trl as T  # noqa: E402  (models, data, trainers, run comparisons)
 
 WORLD = 2
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+# case -> (trainer, tied head, options); "lora": a LoRA adapter on the attention projections
+CASES = {
+    "grpo-untied-dapo": ("grpo", False, {}),
+    "grpo-tied-grpo_kl": ("grpo", True, {"beta": 0.05, "loss_type": "grpo"}),
+    "grpo-lora-dapo_kl": ("grpo", False, {"beta": 0.05, "learning_rate": 0.5, "lora": True}),
+    "distill-untied": ("distill", False, {}),
+    "distill-tied": ("distill", True, {}),
+}
+# (stage, case): ZeRO-3 every case; ZeRO-2 (whole weights, sharded gradients) tied GRPO with KL
+# and distillation; stages 1 and 0 one GRPO case each (stage 0: the tied KL case, whose updates
+# are not clipped, so a gradient off by a factor shows in full)
+RUNS = [
+    (3, "grpo-untied-dapo"),
+    (3, "grpo-tied-grpo_kl"),
+    (3, "grpo-lora-dapo_kl"),
+    (3, "distill-untied"),
+    (3, "distill-tied"),
+    (2, "grpo-tied-grpo_kl"),
+    (2, "distill-tied"),
+    (1, "grpo-untied-dapo"),
+    (0, "grpo-tied-grpo_kl"),
+]
+MUTATED = ["distill-untied", "grpo-untied-dapo"]  # ZeRO-3, the gather closed early
 
 
 def _ds_config(stage: int) -> dict:
-    config = zero_config(stage)
+    config = zero_config(stage, gradient_clipping="auto")  # the trainer's max_grad_norm
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         config[key] = "auto"  # the trainer's own values
     return config
 
 
-def _params(trainer) -> dict:
+def _trainer(cls, models, options: dict, out, stage: int | None):
+    """``cls`` on the case's models; ``stage`` None: no DeepSpeed (the float64 truth)."""
+    options = dict(options)
+    lora = peft.LoraConfig(**LORA) if options.pop("lora", False) else None
+    if stage is not None:
+        options["deepspeed"] = _ds_config(stage)
+    if issubclass(cls, trl.DistillationTrainer):
+        return T.distill_trainer(cls, *models, out, **options)
+    return T.grpo_trainer(cls, models[0], T.grpo_args(out, **(T.RUN | options)), lora)
+
+
+def _train(cls, models, options: dict, out, stage: int | None):
+    """One ``train()``: the log history and every parameter, whole; with ``stage`` None the
+    stock trainer's models cast to float64 after construction (same initial values, LoRA
+    adapters included), trained under DDP."""
+    trainer = _trainer(cls, models, options, out, stage)
+    if stage is None:
+        for name in ("model", "ref_model", "teacher_model"):
+            if getattr(trainer, name, None) is not None:
+                getattr(trainer, name).double()
+    trainer.train()
+    if stage is None:
+        assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        assert all(p.dtype == torch.float64 for p in params.values())
+        return trainer.state.log_history, params
+    _check_engine(trainer, stage)
+    return trainer.state.log_history, _gathered_params(trainer)
+
+
+def _gathered_params(trainer) -> dict:
     """Every parameter whole (gathered under ZeRO-3)."""
     import deepspeed
 
     model = trainer.model
-    params = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _grpo(rank: int, model_dir: str, stage: int, tmp: str, options: dict, mutate=False):
-    """Stock and logitless GRPO runs of one case in this rank; with ``mutate``, the logitless
-    run alone, and the message it fails with."""
-    from logitless.integrations.trl import LogitlessGRPOTrainer
-
-    out = {}
-    classes = (("stock", trl.GRPOTrainer), ("ours", LogitlessGRPOTrainer))
-    for name, cls in classes[1:] if mutate else classes:
-        run = RUN | {"deepspeed": _ds_config(stage)} | options
-        trainer = T._trainer(cls, model_dir, T._args(_path(tmp, f"{name}{rank}"), **run))
-        if mutate:
-            return _failure(trainer)
-        trainer.train()
-        _check_engine(trainer, stage)
-        out[name] = (trainer.state.log_history, _params(trainer))
-    return out
 
 
 def _check_engine(trainer, stage: int) -> None:
     assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
     assert trainer.model_wrapped.zero_optimization_stage() == stage
+    head = trainer.model.get_output_embeddings()
+    head = getattr(head, "base_layer", head)
     if stage == 3:  # partitioned, and no full-size copy left after training
-        assert_partitioned(trainer.model.lm_head.weight)
+        assert_partitioned(head._parameters["weight"])
 
 
-def _distill(rank: int, student: str, teacher: str, stage: int, tmp: str, mutate=False):
-    """Stock and logitless distillation runs (a wider teacher, JSD, temperature) in this rank;
-    with ``mutate``, the logitless run alone, and the message it fails with."""
-    from logitless.integrations.trl import LogitlessDistillationTrainer
-
-    out = {}
-    classes = (("stock", trl.DistillationTrainer), ("ours", LogitlessDistillationTrainer))
-    for name, cls in classes[1:] if mutate else classes:
-        args = dict(
-            output_dir=str(_path(tmp, f"{name}{rank}")), per_device_train_batch_size=2,
-            max_completion_length=6, gradient_accumulation_steps=2, max_steps=2, bf16=False,
-            use_cpu=True, report_to=[], save_strategy="no", seed=0, logging_steps=1,
-            optim="sgd", learning_rate=0.2, beta=0.5, temperature=0.8,
-            deepspeed=_ds_config(stage),
-        )  # fmt: skip
-        trainer = cls(
-            model=student,
-            teacher_model=teacher,
-            args=trl.DistillationConfig(**args),
-            train_dataset=T._dataset(),
-            processing_class=T._TOKENIZERS[student],
-        )
-        if mutate:
-            return _failure(trainer)
-        trainer.train()
-        _check_engine(trainer, stage)
-        out[name] = (trainer.state.log_history, _params(trainer))
-    return out
-
-
-def _failure(trainer) -> str:
+def _failure(cls, models, options, out) -> str:
     try:
-        trainer.train()
+        _trainer(cls, models, options, out, 3).train()
     except RuntimeError as e:
         return str(e)
     return "trained"
 
 
-def _worker(rank: int, world: int, stage: int, cases: dict, mutate: bool = False):
-    """Every case of one ZeRO stage in one process per rank (one DeepSpeed start)."""
+def _worker(rank: int, world: int, cases: dict, runs: list, mutated: list):
+    """Every run in one process per rank: the float64 truths (DDP) first, before any
+    DeepSpeed config is set in the process, then each (stage, case), then the mutation."""
+    from pathlib import Path
+
     ds_env(rank, world, 29541)
     import deepspeed
 
+    from logitless.integrations import deepspeed as lds
+    from logitless.integrations.trl import (
+        LogitlessDistillationTrainer,
+        LogitlessGRPOTrainer,
+    )
+
     deepspeed.init_distributed(dist_backend="gloo")  # before a ZeRO-3 model is loaded by path
-    if mutate:
+    classes = {
+        "grpo": (trl.GRPOTrainer, LogitlessGRPOTrainer),
+        "distill": (trl.DistillationTrainer, LogitlessDistillationTrainer),
+    }
+    for _, models, _ in cases.values():
+        for path in models:
+            T.TOKENIZERS[path] = T.make_tokenizer()
+
+    def out(case, name):
+        return Path(cases[case][1][0]).parent / f"{name}{rank}"
+
+    result: dict = {"truth": {}, "runs": {}, "mutated": {}}
+    for case in sorted({case for _, case in runs}):
+        kind, models, options = cases[case]
+        result["truth"][case] = _train(classes[kind][0], models, options, out(case, "f64"), None)
+    for stage, case in runs:
+        kind, models, options = cases[case]
+        result["runs"][stage, case] = {
+            name: _train(cls, models, options, out(case, f"z{stage}{name}"), stage)
+            for name, cls in zip(("stock", "ours"), classes[kind], strict=True)
+        }
+    if mutated:
         from test_deepspeed import _close_early
 
-        from logitless.integrations import deepspeed as lds
-
-        lds.run_gathered = _close_early
-    out = {}
-    for case, (kind, models, options) in cases.items():
-        for path in models:
-            T._TOKENIZERS[path] = T.make_tokenizer()
-        tmp = str(_path(models[0], f"../{case}"))
-        if kind == "grpo":
-            out[case] = _grpo(rank, models[0], stage, tmp, options, mutate)
-        else:
-            out[case] = _distill(rank, *models, stage, tmp, mutate)
-    return out
-
-
-def _path(tmp: str, name: str):
-    from pathlib import Path
-
-    return Path(tmp) / name
-
-
-# case -> (trainer, tied head, options); each stage runs the cases STAGE_CASES names
-CASES = {
-    "grpo-untied-dapo": ("grpo", False, {}),
-    "grpo-tied-grpo_kl": ("grpo", True, {"beta": 0.05, "loss_type": "grpo"}),
-    "grpo-untied-dapo_kl": ("grpo", False, {"beta": 0.05}),
-    "distill-untied": ("distill", False, {}),
-    "distill-tied": ("distill", True, {}),
-}
-STAGE_CASES = {
-    3: ["grpo-untied-dapo", "grpo-tied-grpo_kl", "distill-untied", "distill-tied"],
-    2: ["grpo-untied-dapo_kl", "distill-tied"],
-}
+        real, lds.run_gathered = lds.run_gathered, _close_early
+        try:
+            for case in mutated:
+                kind, models, options = cases[case]
+                msg = _failure(classes[kind][1], models, options, out(case, "mutated"))
+                result["mutated"][case] = msg
+        finally:
+            lds.run_gathered = real
+    return result
 
 
 def _models(root, kind: str, tied: bool) -> tuple[str, ...]:
@@ -160,39 +184,38 @@ def _models(root, kind: str, tied: bool) -> tuple[str, ...]:
     return T.save_model(root / "student", tied=tied), T.save_model(root / "teacher", width=24)
 
 
-_RUNS: dict = {}  # stage -> (cases, ranks): one spawn per stage for the module
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """Every case in one spawn: (cases with their model paths, each rank's results)."""
+    cases = {}
+    for case, (kind, tied, options) in CASES.items():
+        cases[case] = (kind, _models(tmp_path_factory.mktemp(case), kind, tied), options)
+    return cases, spawn(_worker, WORLD, cases, RUNS, MUTATED, threads=1, timeout_s=600.0)
 
 
-def _stage_runs(stage: int, tmp_path_factory):
-    if stage not in _RUNS:
-        cases = {}
-        for case in STAGE_CASES[stage]:
-            kind, tied, options = CASES[case]
-            models = _models(tmp_path_factory.mktemp(f"z{stage}-{case}"), kind, tied)
-            cases[case] = (kind, models, options)
-        _RUNS[stage] = cases, spawn(_worker, WORLD, stage, cases, threads=1, timeout_s=600.0)
-    return _RUNS[stage]
-
-
-@pytest.mark.parametrize(
-    ("stage", "case"), [(stage, case) for stage in (3, 2) for case in STAGE_CASES[stage]]
-)
-def test_trainers_match_trl_under_deepspeed(stage, case, tmp_path_factory):
-    cases, ranks = _stage_runs(stage, tmp_path_factory)
-    initial = T._initial(cases[case][1][0])
+@pytest.mark.parametrize(("stage", "case"), RUNS, ids=[f"zero{s}-{c}" for s, c in RUNS])
+def test_trainers_match_trl_under_deepspeed(stage, case, launch):
+    cases, ranks = launch
+    models = cases[case][1]
     for r in ranks:
-        assert T.assert_same_run(*r[case]["stock"], *r[case]["ours"], initial) > 0
-    for name, p in ranks[0][case]["ours"][1].items():  # the ranks hold one model
-        torch.testing.assert_close(ranks[1][case]["ours"][1][name], p, rtol=0, atol=0, msg=name)
+        runs, truth = r["runs"][stage, case], r["truth"][case]
+        lora = CASES[case][2].get("lora")
+        initial = T.lora_base(models[0], truth[1]) if lora else T.initial(models[0])
+        moved = T.assert_run_no_worse(runs["ours"], runs["stock"], truth, initial, case)
+        if lora:  # the adapters, and nothing else
+            assert moved == len([n for n in truth[1] if "lora_" in n]) > 0
+        else:
+            assert moved > 0
+    for name, p in ranks[0]["runs"][stage, case]["ours"][1].items():  # the ranks hold one model
+        torch.testing.assert_close(
+            ranks[1]["runs"][stage, case]["ours"][1][name], p, rtol=0, atol=0
+        )
 
 
-def test_closing_the_gather_before_the_backward_fails(tmp_path):
-    """Both trainers, untied heads: the divergence reads the weight in backward, and the fused
-    loss's weight gradient can only be accumulated into the full-shape parameter."""
-    cases = {
-        "distill-untied": ("distill", _models(tmp_path / "d", "distill", False), {}),
-        "grpo-untied-dapo": ("grpo", _models(tmp_path / "g", "grpo", False), {}),
-    }
-    for r in spawn(_worker, WORLD, 3, cases, True, threads=1, timeout_s=600.0):
-        for message in r.values():
+def test_closing_the_gather_before_the_backward_fails(launch):
+    """Both trainers, untied heads, ZeRO-3: the divergence reads the weight in backward, and
+    the fused loss's weight gradient can only be accumulated into the full-shape parameter."""
+    for r in launch[1]:
+        assert set(r["mutated"]) == set(MUTATED)
+        for message in r["mutated"].values():
             assert "invalid gradient" in message or "size of tensor a (0)" in message, message

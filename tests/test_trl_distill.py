@@ -1,7 +1,7 @@
 """logitless.integrations.trl.LogitlessDistillationTrainer against the real TRL 1.16
 ``DistillationTrainer`` (CPU, fp32, tiny random models, nothing downloaded).
 
-A student Qwen2 (width 16) and a wider teacher Qwen2 (width 24) from tests/test_trl.py's
+A student Qwen2 (width 16) and a wider teacher Qwen2 (width 24) from tests/_trl.py's
 harness. On the same generated batch (TRL's own ``_generate_and_score_completions``), in
 train mode with TRL's ``num_items_in_batch`` and in eval mode (the local token mean):
 ``LogitlessDistillationTrainer.compute_loss`` and the stock ``compute_loss`` give the same loss,
@@ -21,17 +21,11 @@ trl = pytest.importorskip(
 )
 transformers = pytest.importorskip("transformers")
 
-import test_trl as T  # noqa: E402  (models, tokenizer, data, run comparison)
+import _trl as T  # noqa: E402  (models, tokenizer, data, run comparison)
 
 from logitless.integrations.trl import LogitlessDistillationTrainer  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True, scope="module")(T.single_thread)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +46,8 @@ def _trainer(cls, models, tmp_path, mixin=None, **options):
         model=student,
         teacher_model=teacher,
         args=trl.DistillationConfig(**(args | options)),
-        train_dataset=T._dataset(),
-        processing_class=T._TOKENIZERS[student],
+        train_dataset=T.dataset(),
+        processing_class=T.TOKENIZERS[student],
         **(mixin or {}),
     )
 
@@ -122,7 +116,7 @@ def test_train_matches_trl(options, models, tmp_path):
         trainer.train()
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         runs.append((trainer.state.log_history, params))
-    assert T.assert_same_run(*runs[0], *runs[1], T._initial(models[0])) > 0
+    assert T.assert_same_run(*runs[0], *runs[1], T.initial(models[0])) > 0
 
 
 def test_batch_invariant_reaches_the_divergence(models, tmp_path, monkeypatch):
@@ -161,6 +155,6 @@ def test_unsupported_teacher_is_refused(models, tmp_path):
             args=trl.DistillationConfig(
                 output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[]
             ),
-            train_dataset=T._dataset(),
-            processing_class=T._TOKENIZERS[models[0]],
+            train_dataset=T.dataset(),
+            processing_class=T.TOKENIZERS[models[0]],
         )

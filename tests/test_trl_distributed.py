@@ -4,7 +4,7 @@ launches them: DDP, and FSDP2 (tied and untied heads).
 Each rank runs, in turn, ``trl.GRPOTrainer`` and ``LogitlessGRPOTrainer`` with the same
 options (generation with ``model.generate``, rewards, 2 iterations of the batch, gradient
 accumulation 2, 2 optimizer steps): the logged losses and metrics and the final weights must be
-the same (tests/test_trl.py's ``assert_same_run``). The ranks see different prompts, so a run
+the same (tests/_trl.py's ``assert_same_run``). The ranks see different prompts, so a run
 whose gradients were not reduced ends with other weights: calling the unwrapped model instead
 of running inside the wrapper's forward fails the comparison (``test_bypassing_...``).
 
@@ -27,19 +27,9 @@ trl = pytest.importorskip(
 )
 transformers = pytest.importorskip("transformers")
 
-import test_trl as T  # noqa: E402  (the single-process harness: models, data, comparisons)
+import _trl as T  # noqa: E402  (the shared TRL harness: models, data, trainers, comparisons)
 
 WORLD = 2
-RUN = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    gradient_accumulation_steps=2,
-    num_iterations=2,
-    max_steps=2,
-    max_completion_length=6,
-    optim="sgd",
-    learning_rate=0.05,
-)
 
 
 def _accelerate_env(rank: int, world: int) -> None:
@@ -77,13 +67,13 @@ def _worker(rank: int, world: int, model_dir: str, kind: str, tmp: str, options:
     _accelerate_env(rank, world)
     from logitless.integrations.trl import LogitlessGRPOTrainer
 
-    T._TOKENIZERS[model_dir] = T.make_tokenizer()
+    T.TOKENIZERS[model_dir] = T.make_tokenizer()
     if bypass:
         _bypass_wrappers()
     out = {}
     for name, cls in (("stock", trl.GRPOTrainer), ("ours", LogitlessGRPOTrainer)):
-        args = T._args(_path(tmp, f"{name}{rank}"), **(RUN | options))
-        trainer = T._trainer(cls, model_dir, args)
+        args = T.grpo_args(_path(tmp, f"{name}{rank}"), **(T.RUN | options))
+        trainer = T.grpo_trainer(cls, model_dir, args)
         if kind == "fsdp2":
             _force_fsdp2(trainer)
         trainer.train()
@@ -129,7 +119,7 @@ CASES = [
 def test_train_matches_trl_on_two_ranks(kind, tied, options, tmp_path):
     model_dir, ranks = _run(tmp_path, kind, tied, options)
     for r in ranks:
-        moved = T.assert_same_run(*r["stock"], *r["ours"], T._initial(model_dir))
+        moved = T.assert_same_run(*r["stock"], *r["ours"], T.initial(model_dir))
         assert moved > 0
     for name, p in ranks[0]["ours"][1].items():  # the ranks hold one model
         torch.testing.assert_close(ranks[1]["ours"][1][name], p, rtol=0, atol=0, msg=name)
@@ -139,7 +129,7 @@ def test_bypassing_the_wrapper_is_caught(tmp_path):
     model_dir, ranks = _run(tmp_path, "ddp", False, bypass=True)
     with pytest.raises(AssertionError):
         for r in ranks:
-            T.assert_same_run(*r["stock"], *r["ours"], T._initial(model_dir))
+            T.assert_same_run(*r["stock"], *r["ours"], T.initial(model_dir))
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,22 +140,10 @@ def _distill_worker(rank: int, world: int, student: str, teacher: str, kind: str
     _accelerate_env(rank, world)
     from logitless.integrations.trl import LogitlessDistillationTrainer
 
-    T._TOKENIZERS[student] = T.make_tokenizer()
+    T.TOKENIZERS[student] = T.make_tokenizer()
     out = {}
     for name, cls in (("stock", trl.DistillationTrainer), ("ours", LogitlessDistillationTrainer)):
-        args = dict(
-            output_dir=str(_path(tmp, f"{name}{rank}")), per_device_train_batch_size=2,
-            max_completion_length=6, gradient_accumulation_steps=2, max_steps=2, bf16=False,
-            use_cpu=True, report_to=[], save_strategy="no", seed=0, logging_steps=1,
-            optim="sgd", learning_rate=0.2, beta=0.5, temperature=0.8,
-        )  # fmt: skip
-        trainer = cls(
-            model=student,
-            teacher_model=teacher,
-            args=trl.DistillationConfig(**args),
-            train_dataset=T._dataset(),
-            processing_class=T._TOKENIZERS[student],
-        )
+        trainer = T.distill_trainer(cls, student, teacher, _path(tmp, f"{name}{rank}"))
         if kind == "fsdp2":
             _force_fsdp2(trainer)
         trainer.train()
@@ -184,4 +162,4 @@ def test_distillation_matches_trl_on_two_ranks(kind, tmp_path):
     args = (student, teacher, kind, str(tmp_path))
     ranks = spawn(_distill_worker, WORLD, *args, threads=1, timeout_s=120.0)
     for r in ranks:
-        assert T.assert_same_run(*r["stock"], *r["ours"], T._initial(student)) > 0
+        assert T.assert_same_run(*r["stock"], *r["ours"], T.initial(student)) > 0

@@ -7,7 +7,7 @@ A tiny random LLaVA (a CLIP vision tower, a Llama language model) with a process
 8x8 image each, generation with ``model.generate``, rewards, 2 iterations of each batch,
 gradient accumulation 2. Stock TRL and the adapter run the same ``train()``: the same logged
 losses and metrics and the same final weights, the vision tower's and the projector's included
-(tests/test_trl.py's ``assert_same_run``). The scoring passes (old policy log-probs) in chunks
+(tests/_trl.py's ``assert_same_run``). The scoring passes (old policy log-probs) in chunks
 of rows slice the image inputs as TRL does (checked against a whole-batch call). Mutation
 checked: the image inputs not passed to the loss's backbone call fails the run comparison.
 
@@ -35,7 +35,8 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 PIL = pytest.importorskip("PIL.Image")
 
-from test_trl import _args, assert_same_run  # noqa: E402
+from _trl import assert_same_run, reward, single_thread, word_tokenizer  # noqa: E402
+from _trl import grpo_args as _args  # noqa: E402
 
 from logitless.integrations.trl import (  # noqa: E402
     LogitlessDistillationTrainer,
@@ -46,27 +47,17 @@ V = 256
 IMAGE = 250
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 
 
 def make_processor():
     """A LLaVA processor: word-level tokenizer (``<image>`` = 250), CLIP's image processor at
     8x8, 4 image tokens per image (a 2x2 patch grid, CLIP's class token dropped)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     words = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i + 3 for i in range(200)}}
     words.update({"<image>": IMAGE, "<user>": 251, "<assistant>": 252})
-    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-        extra_special_tokens={"image_token": "<image>"}, padding_side="left",
-    )  # fmt: skip
+    tokenizer = word_tokenizer(
+        words, extra_special_tokens={"image_token": "<image>"}, padding_side="left"
+    )
     template = (
         "{% for m in messages %}<user> {% for c in m['content'] %}{% if c['type'] == 'image' %}"
         "<image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
@@ -117,26 +108,16 @@ def _dataset():
     return datasets.Dataset.from_dict({"prompt": prompts, "image": images})
 
 
-def _reward(completions, **kwargs):
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [len(t) / 10.0 + (sum(map(ord, t)) % 7) / 7.0 for t in texts]
-
-
 def make_gemma3_processor(padding_side: str = "left"):
     """A Gemma-3 processor: ``<start_of_image>`` expands to 4 ``<image_soft_token>`` (= 250)
     between the image delimiters; the processor returns token_type_ids (1 at image tokens).
     Left padding, as TRL loads a processor itself (its prompt ids are left-padded)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     words = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i + 3 for i in range(200)}}
     words.update({"<image_soft_token>": IMAGE, "<start_of_image>": 251, "<end_of_image>": 252})
     words.update({"<user>": 253, "<assistant>": 254})
-    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     special = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>"}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-        extra_special_tokens={**special, "eoi_token": "<end_of_image>"},
+    tokenizer = word_tokenizer(
+        words, extra_special_tokens={**special, "eoi_token": "<end_of_image>"},
         padding_side=padding_side,
     )  # fmt: skip
     template = (
@@ -207,7 +188,7 @@ def _train(cls, model_dir, tmp_path, family="llava", **options):
     )  # fmt: skip
     trainer = cls(
         model=model_dir,
-        reward_funcs=_reward,
+        reward_funcs=reward,
         args=_args(tmp_path, **(args | options)),
         train_dataset=_dataset(),
         processing_class=_FAMILIES[family][1](),
@@ -252,7 +233,7 @@ def test_misaligned_token_type_ids_are_refused(gemma3_dir, tmp_path):
     of left-padded rows, and stock TRL runs on with Gemma-3's bidirectional image mask on the
     wrong tokens. The adapter refuses the batch, naming token_type_ids."""
     trainer = LogitlessGRPOTrainer(
-        model=gemma3_dir, reward_funcs=_reward,
+        model=gemma3_dir, reward_funcs=reward,
         args=_args(tmp_path, per_device_train_batch_size=4, num_generations=4, max_steps=1,
                    max_completion_length=4),
         train_dataset=_dataset(), processing_class=make_gemma3_processor("right"),
@@ -265,7 +246,7 @@ def test_scoring_in_chunks_slices_the_images(tmp_path):
     """TRL scores old-policy log-probs ``batch_size`` rows at a time: each chunk gets its own
     rows' images (``num_images`` per row; a text-only row has none)."""
     trainer = LogitlessGRPOTrainer(
-        model=make_model(), reward_funcs=_reward, args=_args(tmp_path), train_dataset=_dataset(),
+        model=make_model(), reward_funcs=reward, args=_args(tmp_path), train_dataset=_dataset(),
         processing_class=make_processor(),
     )  # fmt: skip
     g = torch.Generator().manual_seed(3)
@@ -412,7 +393,7 @@ def test_qwen2_vl_compute_loss_matches_trl(options, tmp_path):
     trainers = [
         cls(
             model=copy.deepcopy(model),
-            reward_funcs=_reward,
+            reward_funcs=reward,
             args=args,
             train_dataset=_dataset(),
             processing_class=make_processor(),

@@ -48,6 +48,7 @@ __all__ = [
     "is_zero3",
     "needs_gather",
     "own_params",
+    "past_output_hooks",
     "run_gathered",
     "stand_in",
 ]
@@ -167,30 +168,49 @@ class _CloseOnGrad(torch.autograd.Function):
         return grad, None
 
 
-def _mark_inputs(value: Any, lease: _Lease) -> tuple[Any, int]:
-    """``value`` with each tensor that requires grad (not a parameter; in tuples, lists, dicts
-    and frozen dataclasses such as the seam's ``Tokens``) passed through
-    :class:`_CloseOnGrad`; and how many."""
+def _map_grad_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
+    """``value`` with ``fn`` applied to each tensor that requires grad (not a parameter; in
+    tuples, lists, dicts and frozen dataclasses such as the seam's ``Tokens``); and how many."""
     if isinstance(value, torch.Tensor):
         if value.requires_grad and not isinstance(value, nn.Parameter):
-            return _CloseOnGrad.apply(value, lease), 1
+            return fn(value), 1
         return value, 0
     if isinstance(value, (tuple, list)):
-        items = [_mark_inputs(v, lease) for v in value]
+        items = [_map_grad_tensors(v, fn) for v in value]
         values, count = [v for v, _ in items], sum(n for _, n in items)
         if hasattr(value, "_fields"):  # a NamedTuple
             return type(value)(*values), count
         return type(value)(values), count
     if isinstance(value, dict):
-        marked = {k: _mark_inputs(v, lease) for k, v in value.items()}
-        return {k: v for k, (v, _) in marked.items()}, sum(n for _, n in marked.values())
+        mapped = {k: _map_grad_tensors(v, fn) for k, v in value.items()}
+        return {k: v for k, (v, _) in mapped.items()}, sum(n for _, n in mapped.values())
     fields = getattr(value, "__dataclass_fields__", None)
     if fields is not None and not isinstance(value, type):
-        marked = {k: _mark_inputs(getattr(value, k), lease) for k in fields}
-        count = sum(n for _, n in marked.values())
+        mapped = {k: _map_grad_tensors(getattr(value, k), fn) for k in fields}
+        count = sum(n for _, n in mapped.values())
         if count:
-            return dataclasses.replace(value, **{k: v for k, (v, _) in marked.items()}), count
+            return dataclasses.replace(value, **{k: v for k, (v, _) in mapped.items()}), count
     return value, 0
+
+
+def _mark_inputs(value: Any, lease: _Lease) -> tuple[Any, int]:
+    """``value`` with each tensor that requires grad passed through :class:`_CloseOnGrad`."""
+    return _map_grad_tensors(value, lambda t: _CloseOnGrad.apply(t, lease))
+
+
+def past_output_hooks(value: T) -> T:
+    """What ran as a DeepSpeed engine's forward, each tensor that requires grad replaced by a
+    view of it: the caller's loss is then downstream of the engine's forward outputs, as the
+    loss a trainer computes from a model's logits is.
+
+    The engine hooks its forward's output tensors; one hook (``_backward_prologue_per_tensor``)
+    divides the gradient by the accumulation steps unless ``engine.backward``'s own hook on the
+    loss it is given has run first. Given the output tensor itself, the engine's hook on it was
+    registered first and runs first: under ZeRO stage 0 (no ZeRO optimizer to scale the loss
+    into a new tensor) with ``engine.backward(loss, scale_wrt_gas=False)`` (transformers'
+    Trainer under DeepSpeed) the gradients came out divided by the accumulation steps twice.
+    """
+    return _map_grad_tensors(value, lambda t: t.view_as(t))[0]
 
 
 def run_gathered(params: Iterable[torch.Tensor | None], fn: Callable[..., T], *args: Any) -> T:

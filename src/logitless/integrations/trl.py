@@ -52,8 +52,9 @@ multimodal rope positions come from ``mm_token_type_ids``, as in TRL's forward.
 control, ``cast_lm_head_to_fp32``, models outside
 :data:`logitless.integrations.hf.SUPPORTED_MODELS` (and the image inputs of the
 vision-language classes they include: ``pixel_attention_mask``, ``spatial_shapes``,
-``num_tiles``, ``image_position_ids``), FSDP1 and DeepSpeed (untested: no machine
-of this project runs it), ``delta < 1 + epsilon_high`` and ``cispo`` with ``epsilon_high < 1``.
+``num_tiles``, ``image_position_ids``), FSDP1, DeepSpeed's parameter or optimizer offload and
+ZeRO++ partitions (DeepSpeed ZeRO stages 0-3 run: docs/trl.md), ``delta < 1 + epsilon_high``
+and ``cispo`` with ``epsilon_high < 1``.
 
 Tested with TRL 1.16 (``pip install -e '.[trl]'`` in a logitless checkout installs it).
 """

@@ -40,7 +40,7 @@ def distributed_problem(accelerator: Any) -> str | None:
     if dist_type == "DEEPSPEED":
         plugin = accelerator.state.deepspeed_plugin
         return config_problem(getattr(plugin, "deepspeed_config", None))
-    return f"distributed type {dist_type} (tested: DDP, FSDP2 and DeepSpeed ZeRO 2 / 3)"
+    return f"distributed type {dist_type} (tested: DDP, FSDP2 and DeepSpeed ZeRO stages 0-3)"
 
 
 class CompletionLayout(NamedTuple):

@@ -29,7 +29,8 @@ text config and would apply it).
 
 Refused before training (``ValueError`` naming the reason): models outside
 :data:`logitless.integrations.hf.SUPPORTED_MODELS` (student or teacher), image inputs of
-classes logitless does not audit, FSDP1 and DeepSpeed. Tested with TRL 1.16
+classes logitless does not audit, FSDP1, DeepSpeed's offload and ZeRO++ partitions (ZeRO
+stages 0-3 run). Tested with TRL 1.16
 (tests/test_trl_distill.py, tests/test_trl_vlm.py).
 """
 

@@ -127,7 +127,9 @@ def run_in_forward(model: nn.Module, fn: Callable[..., T], *args: Any, **kwargs:
     w = unwrap(model)
     if w.borrowed is None:
         return fn(w.model, *args, **kwargs)
-    return _borrow_forward(w, lambda: fn(w.model, *args, **kwargs))
+    out = _borrow_forward(w, lambda: fn(w.model, *args, **kwargs))
+    # the loss downstream of what the engine's output hooks see (see past_output_hooks)
+    return deepspeed.past_output_hooks(out) if deepspeed.is_engine(w.outer) else out
 
 
 def _borrow_forward(w: Unwrapped, thunk: Callable[[], T]) -> T:
