@@ -383,6 +383,7 @@ def test_cli_demo_help(capsys):
         ["--group", "1"],
         ["--vocab", "5"],
         ["--seeds", "0"],
+        ["--warmup", "-1"],
     ],
 )
 def test_cli_demo_bad_input(argv, capsys):
@@ -395,7 +396,7 @@ def test_cli_demo_bad_input(argv, capsys):
 def test_cli_demo_compare_runs(tmp_path, capsys):
     png, table = tmp_path / "demo_{mode}.png", tmp_path / "demo.csv"
     argv = ["demo", "--compare", "--seeds", "2", "--steps", "2", "--vocab", "64", "--prompts", "2"]
-    argv += ["--group", "2", "--quiet", "--plot", str(png), "--csv", str(table)]
+    argv += ["--group", "2", "--warmup", "3", "--quiet", "--plot", str(png), "--csv", str(table)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "2 steps, seeds 0, 1" in out.splitlines()[0]
@@ -415,6 +416,7 @@ def test_cli_demo_compare_runs(tmp_path, capsys):
 
 def test_cli_demo_check_step_only(capsys):
     argv = ["demo", "--check-step", "--vocab", "64", "--prompts", "2", "--group", "2"]
+    argv += ["--warmup", "3"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "one update checked in float64" in out.splitlines()[0]
@@ -424,7 +426,7 @@ def test_cli_demo_check_step_only(capsys):
 def test_cli_demo_seeds_default(capsys):
     """Several seeds by default only where modes are compared: one run stays one run."""
     argv = ["demo", "--steps", "1", "--vocab", "64", "--prompts", "2", "--group", "2"]
-    assert cli.main([*argv, "--quiet", "--no-plot"]) == 0
+    assert cli.main([*argv, "--warmup", "0", "--quiet", "--no-plot"]) == 0
     out = capsys.readouterr().out
     assert "1 steps, seed 0," in out and "seed 1" not in out and "final reward" not in out
 

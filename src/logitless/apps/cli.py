@@ -37,6 +37,7 @@ def _number(kind: type, accepts, bound: str):
 
 
 _positive_int = _number(int, lambda v: v >= 1, ">= 1")
+_non_negative_int = _number(int, lambda v: v >= 0, ">= 0")
 _fraction = _number(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 _positive_float = _number(float, lambda v: v > 0, "> 0")
 
@@ -292,6 +293,12 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--group", type=_positive_int, default=d.group, help="samples per prompt")
     p.add_argument("--lr", type=_positive_float, default=d.lr, help="AdamW learning rate")
     p.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=d.warmup,
+        help="supervised format steps before GRPO (0: none; the reward then starts near 0)",
+    )
+    p.add_argument(
         "--threads", type=_positive_int, default=_default_threads(), help="torch CPU threads"
     )
     p.add_argument(
@@ -382,6 +389,7 @@ def _demo_configs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 prompts=args.prompts,
                 group=args.group,
                 lr=args.lr,
+                warmup=args.warmup,
             )
             for seed in seeds
             for naive in modes
