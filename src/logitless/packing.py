@@ -381,6 +381,29 @@ def next_token_labels(
     tensor([[   6, -100, -100],
             [   9, -100, -100]])
     """
+    ids_in = _check_next_token_args(input_ids, cu_seqlens, position_ids, document_ids, ignore_index)
+    flat_in = ids_in.reshape(-1)
+    n = flat_in.numel()
+    if cu_seqlens is not None:
+        cu, _ = _check_cu_seqlens(cu_seqlens, n)
+        doc = _document_ids_from_cu(cu, n)
+    elif position_ids is not None:
+        _check_position_values(position_ids)
+        doc = _document_ids_from_positions(position_ids).reshape(-1)
+    elif document_ids is not None:
+        _check_document_id_values(document_ids, padding_only_at_end=False)
+        doc = document_ids.reshape(-1).long()
+    else:
+        rows = ids_in.shape[0] if ids_in.dim() == 2 else 1
+        doc = torch.arange(rows, device=ids_in.device).repeat_interleave(
+            ids_in.shape[-1] if ids_in.dim() == 2 else n
+        )
+
+    return labels_within_documents(ids_in, doc, ignore_index)
+
+
+def _check_next_token_args(input_ids, cu_seqlens, position_ids, document_ids, ignore_index):
+    """:func:`next_token_labels`'s argument checks; returns the checked ``input_ids``."""
     ids_in = _check_tokens("input_ids", input_ids, _SIGNED_INT_DTYPES + (torch.uint8,))
     given = [
         name
@@ -412,25 +435,7 @@ def next_token_labels(
         position_ids=position_ids,
         document_ids=document_ids,
     )
-
-    flat_in = ids_in.reshape(-1)
-    n = flat_in.numel()
-    if cu_seqlens is not None:
-        cu, _ = _check_cu_seqlens(cu_seqlens, n)
-        doc = _document_ids_from_cu(cu, n)
-    elif position_ids is not None:
-        _check_position_values(position_ids)
-        doc = _document_ids_from_positions(position_ids).reshape(-1)
-    elif document_ids is not None:
-        _check_document_id_values(document_ids, padding_only_at_end=False)
-        doc = document_ids.reshape(-1).long()
-    else:
-        rows = ids_in.shape[0] if ids_in.dim() == 2 else 1
-        doc = torch.arange(rows, device=ids_in.device).repeat_interleave(
-            ids_in.shape[-1] if ids_in.dim() == 2 else n
-        )
-
-    return labels_within_documents(ids_in, doc, ignore_index)
+    return ids_in
 
 
 def labels_within_documents(

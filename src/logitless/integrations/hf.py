@@ -541,16 +541,14 @@ def causal_lm_divergence(
     torch.Size([2, 6])
     >>> out.divergence.sum().backward()          # gradients reach the student's parameters
     """
-    given = locals()
+    options = HeadOptions.pick(locals())
     _check_model_kwargs("causal_lm_divergence", model_kwargs)
-    options = HeadOptions.pick(given)
     batch = ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    check_model(model)
-    check_model(teacher)
-    batch.check_backbone(unwrap(model).model, model_kwargs)
-    batch.check_backbone(unwrap(teacher).model, model_kwargs)
+    for m in (model, teacher):
+        check_model(m)
+        batch.check_backbone(unwrap(m).model, model_kwargs)
     labels = batch.targets(ignore_index, False)
     with torch.no_grad():
         t_hidden, t_head = run_in_forward(teacher, hf_seam.teacher_in_forward, batch, model_kwargs)

@@ -300,6 +300,34 @@ def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
     ('ppo_clip', 0.2, 0.28, 'token_mean')
     """
     o = source if isinstance(source, _Options) else _Options.of(source)
+    _refuse_unreproduced(o)
+    kw: dict[str, Any] = {
+        "aggregation": _AGGREGATIONS[o.loss_type],
+        "ratio_level": o.importance_sampling_level,
+        **_surrogate_options(o),
+    }
+    if o.loss_type == "dr_grpo":
+        if not o.max_completion_length:
+            raise _unsupported(
+                "loss_type='dr_grpo' with max_completion_length=None", "it has no constant"
+            )
+        kw["norm_length"] = int(o.max_completion_length)
+    if o.beta > 0:
+        kw.update(
+            kl_coef=o.beta,
+            kl_estimator="k3",
+            kl_log_ratio_clamp=None,
+            kl_value_clamp=None,
+            kl_importance_weight=bool(o.use_bias_correction_kl),
+        )
+    if o.entropy_bonus:
+        kw.update(entropy_coef=o.entropy_coef, entropy_aggregation="token_mean")
+    kw.update(_mismatch_options(o))
+    return _trl_config(o, kw)
+
+
+def _refuse_unreproduced(o: _Options) -> None:
+    """Raise for the GRPO options whose loss logitless does not reproduce."""
     if o.loss_type not in _AGGREGATIONS:
         raise _unsupported(
             f"loss_type={o.loss_type!r}",
@@ -318,10 +346,11 @@ def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
         )
     if o.beta < 0:
         raise _unsupported(f"beta={o.beta}", "the KL coefficient must be >= 0")
-    kw: dict[str, Any] = {
-        "aggregation": _AGGREGATIONS[o.loss_type],
-        "ratio_level": o.importance_sampling_level,
-    }
+
+
+def _surrogate_options(o: _Options) -> dict[str, Any]:
+    """The surrogate's :class:`~logitless.PolicyLossConfig` fields of ``loss_type``."""
+    kw: dict[str, Any] = {}
     if o.loss_type == "cispo":  # weight min(r, ε_high) = clip(r, 1 - 1, 1 + (ε_high - 1))
         if o.epsilon_high < 1.0:
             raise _unsupported(
@@ -347,24 +376,7 @@ def grpo_loss_config(source: GRPOTrainer | GRPOConfig) -> PolicyLossConfig:
                     "delta >= 1 + epsilon_high (and delta > 1)",
                 )
             kw["dual_clip"] = o.delta
-    if o.loss_type == "dr_grpo":
-        if not o.max_completion_length:
-            raise _unsupported(
-                "loss_type='dr_grpo' with max_completion_length=None", "it has no constant"
-            )
-        kw["norm_length"] = int(o.max_completion_length)
-    if o.beta > 0:
-        kw.update(
-            kl_coef=o.beta,
-            kl_estimator="k3",
-            kl_log_ratio_clamp=None,
-            kl_value_clamp=None,
-            kl_importance_weight=bool(o.use_bias_correction_kl),
-        )
-    if o.entropy_bonus:
-        kw.update(entropy_coef=o.entropy_coef, entropy_aggregation="token_mean")
-    kw.update(_mismatch_options(o))
-    return _trl_config(o, kw)
+    return kw
 
 
 def _model_problem(model: nn.Module) -> str | None:

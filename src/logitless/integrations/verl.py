@@ -222,7 +222,7 @@ def verl_forward(
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
-    media = {k: loss_kwargs.pop(k) for k in list(loss_kwargs) if k in hf_vlm.MULTIMODAL_INPUTS}
+    media = _pop_media(loss_kwargs)
     _refuse(
         inputs_embeds=inputs_embeds,
         past_key_values=past_key_values,
@@ -237,7 +237,6 @@ def verl_forward(
     if input_ids is None:
         raise ValueError("impl_backend=logitless needs input_ids (inputs_embeds is not supported)")
     lm_head, _, _ = hf.check_model(model)
-    media = {k: v for k, v in media.items() if v is not None}
     _check_inputs(model, input_ids, attention_mask, position_ids, media)
     labels = _labels(input_ids, attention_mask, labels, shift_labels)
     # The backbone as verl's own fused forwards call it, no cache: a vision-language model's
@@ -279,6 +278,12 @@ _IGNORE = -100
 #: gradient itself), and its ``ContextParallel(group, "contiguous")`` description only matters
 #: to a loss's per-document statistics, which verl computes from the gathered log-probs.
 _ULYSSES = seam.Parallelism()
+
+
+def _pop_media(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The image / video inputs verl passed (those not None), taken out of ``kwargs``."""
+    media = {k: kwargs.pop(k) for k in list(kwargs) if k in hf_vlm.MULTIMODAL_INPUTS}
+    return {k: v for k, v in media.items() if v is not None}
 
 
 def _check_inputs(

@@ -183,23 +183,7 @@ def loss_normalizer(
     device = local[0][0].device if local else torch.device("cpu")
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # [tokens, sequences]
     if cp is not None:
-        # A failure anywhere in the context group is known to all its ranks after this
-        # exchange; they skip the next collective together and still join the data-parallel
-        # one below, so no rank of either group is left waiting.
-        k = len(local) if local else 0
-        size = max((seg.size for _, seg in local), default=0) if local else 0
-        any_failed, (k_hi, k_lo, size) = collectives.exchange(cp, error is not None, [k, -k, size])
-        if any_failed and error is None:
-            error = collectives.other_rank_failed("loss_normalizer", "context_group")
-        elif error is None and k_hi != -k_lo:
-            error = ValueError(
-                "loss_normalizer: every rank of the context group must pass the same number of "
-                f"micro-batches (shards of the same ones), got from {-k_lo} to {k_hi} (this "
-                f"rank: {k})"
-            )
-        if not any_failed and k_hi == -k_lo:
-            # every micro-batch's per-document buffer sized by the group's largest id
-            counts = _counts([(v, Segments(seg.ids, size)) for v, seg in local], cp)
+        counts, error = _context_counts(cp, local, error, counts)
     elif error is None:
         counts = _counts(local)
     if dp is not None:
@@ -207,6 +191,29 @@ def loss_normalizer(
     if error is not None:
         raise error
     return LossNormalizer(num_tokens=counts[0], num_sequences=counts[1], loss_scale=loss_scale)
+
+
+def _context_counts(cp, local, error: ValueError | None, counts: torch.Tensor):
+    """:func:`loss_normalizer`'s counts over the context group ``cp``: ``(counts, error)``,
+    ``counts`` left as given where any rank failed (every rank then knows it)."""
+    # A failure anywhere in the context group is known to all its ranks after this
+    # exchange; they skip the next collective together and still join the data-parallel
+    # one below, so no rank of either group is left waiting.
+    k = len(local) if local else 0
+    size = max((seg.size for _, seg in local), default=0) if local else 0
+    any_failed, (k_hi, k_lo, size) = collectives.exchange(cp, error is not None, [k, -k, size])
+    if any_failed and error is None:
+        error = collectives.other_rank_failed("loss_normalizer", "context_group")
+    elif error is None and k_hi != -k_lo:
+        error = ValueError(
+            "loss_normalizer: every rank of the context group must pass the same number of "
+            f"micro-batches (shards of the same ones), got from {-k_lo} to {k_hi} (this "
+            f"rank: {k})"
+        )
+    if not any_failed and k_hi == -k_lo:
+        # every micro-batch's per-document buffer sized by the group's largest id
+        counts = _counts([(v, Segments(seg.ids, size)) for v, seg in local], cp)
+    return counts, error
 
 
 def _counts(local: list[tuple[torch.Tensor, Segments]], cp=None, dp=None) -> torch.Tensor:
