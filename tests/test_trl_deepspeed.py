@@ -48,8 +48,8 @@ CASES = {
     "distill-untied": ("distill", False, {}),
     "distill-tied": ("distill", True, {}),
 }
-# (stage, case): ZeRO-3 every case; ZeRO-2 (whole weights, sharded gradients) tied GRPO with KL
-# and distillation; stages 1 and 0 one GRPO case each (stage 0: the tied KL case, whose updates
+# (stage, case): ZeRO-3 every case; ZeRO-2 (whole weights, sharded gradients) both trainers,
+# tied and untied; stages 1 and 0 one GRPO case each (stage 0: the tied KL case, whose updates
 # are not clipped, so a gradient off by a factor shows in full)
 RUNS = [
     (3, "grpo-untied-dapo"),
@@ -58,7 +58,9 @@ RUNS = [
     (3, "distill-untied"),
     (3, "distill-tied"),
     (2, "grpo-tied-grpo_kl"),
+    (2, "grpo-untied-dapo"),
     (2, "distill-tied"),
+    (2, "distill-untied"),
     (1, "grpo-untied-dapo"),
     (0, "grpo-tied-grpo_kl"),
 ]
