@@ -1,8 +1,13 @@
-# Sourced by .ci/megatron.sh and .ci/skyrl.sh: python312 prints a Python 3.12 interpreter.
-# The two keep venvs of their own (.venv-megatron, .venv-skyrl): skyrl 0.4.0 needs
-# tokenizers>=0.23.1, which only transformers 5.11 and later accept, and verl 0.9.1 needs
-# transformers<5.11, so pip finds no set of versions for skyrl, verl and megatron-core 0.19
-# in one venv (pip: ResolutionImpossible).
+# Sourced by .ci/megatron.sh and .ci/skyrl.sh. Both need Python 3.12 (megatron-core 0.19, skyrl
+# 0.4), where torch comes from PyPI as a CUDA build of about 4.7 GB (no GPU is needed to run it).
+# They cannot share one venv: skyrl 0.4.0 needs tokenizers>=0.23.1, which only transformers 5.11
+# and later accept, and verl 0.9.1 (in .venv-megatron for its hook-mode test) needs
+# transformers<5.11 (pip: ResolutionImpossible). So the heavy part is installed once, into
+# .venv-py312 (torch, megatron-core 0.19, pytest, numpy), and each suite's venv holds only what
+# it adds, with a .pth file that puts .venv-py312's site-packages after its own on sys.path: a
+# package a suite pins differently is installed into the suite's venv and wins. Two full venvs
+# ran a CI machine out of disk (stop 45: "No space left on device" while installing the second).
+
 python312() {  # $PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH
     local c
     for c in "${PYTHON312:-}" \
@@ -15,4 +20,18 @@ python312() {  # $PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH
     done
     echo "no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2
     return 1
+}
+
+BASE312=${BASE312:-.venv-py312}  # the shared layer
+
+_site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
+venv312() {  # venv312 DIR: make DIR a 3.12 venv layered over $BASE312 (both made when missing)
+    local dir=$1 py
+    py=$(python312)
+    [ -x "$BASE312/bin/python" ] || "$py" -m venv "$BASE312"
+    "$BASE312/bin/python" -m pip install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'pytest>=7' \
+        'hypothesis>=6.80' numpy
+    [ -x "$dir/bin/python" ] || "$py" -m venv "$dir"
+    _site_packages "$(cd "$BASE312" && pwd -P)" >"$(_site_packages "$dir")/_logitless_py312_base.pth"
 }

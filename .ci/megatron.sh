@@ -5,18 +5,17 @@
 # the main suite's Python 3.11 stops at 0.16.x. 0.19 is the first release tested whose
 # GPTModel.forward takes an output_processor, so this run covers that seam (logitless's own, and
 # the one verl 0.9 passes its fused_output_processor through) and the main suite covers the
-# output_layer-forward one. Torch on 3.12 comes from PyPI (a CUDA build; no GPU is needed to run
-# it): about 5 GB, 1.5 min here; verl adds its CPU dependencies (not its GPU extras).
+# output_layer-forward one. Torch and megatron-core come from the shared 3.12 layer
+# (.ci/_python312.sh); this venv adds verl's CPU dependencies (not its GPU extras).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 VENV=.venv-megatron
 
-source .ci/_python312.sh  # python312
+source .ci/_python312.sh  # venv312
 
-[ -x "$VENV/bin/python" ] || "$(python312)" -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'verl>=0.9.1,<0.10' \
-    'pytest>=7' 'hypothesis>=6.80' numpy
+venv312 "$VENV"
+"$VENV/bin/pip" install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'verl>=0.9.1,<0.10'
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_megatron.py \
     tests/test_megatron_production.py tests/verl_backend/test_verl_megatron_hook.py
