@@ -7,6 +7,9 @@
 # the one verl 0.9 passes its fused_output_processor through) and the main suite covers the
 # output_layer-forward one. Torch and megatron-core come from the shared 3.12 layer
 # (.ci/_python312.sh); this venv adds verl's CPU dependencies (not its GPU extras).
+#
+# `bash .ci/megatron.sh install` only builds the venv, `bash .ci/megatron.sh test` only runs the
+# tests (.ci/test.sh builds while the main suite runs); no argument does both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -14,8 +17,12 @@ VENV=.venv-megatron
 
 source .ci/_python312.sh  # venv312
 
-venv312 "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'verl>=0.9.1,<0.10'
-"$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_megatron.py \
-    tests/test_megatron_production.py tests/verl_backend/test_verl_megatron_hook.py
+if [ "${1:-all}" != test ]; then
+    venv312 "$VENV"
+    "$VENV/bin/pip" install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'verl>=0.9.1,<0.10'
+    "$VENV/bin/pip" install -q --no-deps -e .
+fi
+if [ "${1:-all}" != install ]; then
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_megatron.py \
+        tests/test_megatron_production.py tests/verl_backend/test_verl_megatron_hook.py
+fi

@@ -6,11 +6,19 @@
 # torch pinned to the CPU build, or pip pulls a CUDA one), megatron-core 0.16 for verl's Megatron
 # engine (tests/verl_backend/test_verl_megatron.py; 0.17+ needs Python 3.12) and logitless
 # without dependencies.
+#
+# `bash .ci/verl.sh install` only builds the venv, `bash .ci/verl.sh test` only runs the tests
+# (.ci/test.sh builds while the main suite runs); no argument does both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 VENV=.venv-verl
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0 'verl>=0.9.1,<0.10' 'megatron-core==0.16.1' 'pytest>=7' numpy
-"$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/verl_backend
+if [ "${1:-all}" != test ]; then
+    [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q torch==2.13.0 'verl>=0.9.1,<0.10' 'megatron-core==0.16.1' \
+        'pytest>=7' numpy
+    "$VENV/bin/pip" install -q --no-deps -e .
+fi
+if [ "${1:-all}" != install ]; then
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/verl_backend
+fi
