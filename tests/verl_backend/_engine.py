@@ -11,6 +11,7 @@ loss is verl's code, and the model's forward is the one ``apply_monkey_patch`` c
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import transformers
@@ -94,6 +95,9 @@ def engine(module: torch.nn.Module, *, sp: int = 1, dtype=torch.float32, group=N
     eng.pad_to_length_bucket = 1
     eng._autocast_dtype = dtype
     eng.compute_entropy_from_logits = verl_F.entropy_from_logits
+    # as verl's _build_model_optimizer decides it: the packed row's cu_seqlens go to a forward
+    # whose signature names them (verl's Qwen3.5 forwards, logitless's forward for Qwen3.5)
+    eng.pass_packed_cu_seqlens = "cu_seqlens" in inspect.signature(module.forward).parameters
     return eng
 
 

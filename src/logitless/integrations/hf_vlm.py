@@ -436,11 +436,14 @@ def check_backbone_inputs(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     model_kwargs: Mapping[str, Any],
+    boundaries: bool = False,
 ) -> None:
     """What the backbone of ``model`` (unwrapped, audited) gets, checked before it runs: the
     multimodal arguments it takes and only those; for a vision-language class, image tokens in
     ``input_ids`` with their pixel values and the reverse, grids and per-image token counts
-    that match, the type ids, and position ids of the rank its rope takes."""
+    that match, the type ids, position ids of the rank its rope takes, and one document per
+    row for a class that cannot keep packed documents apart (``boundaries``: the backbone is
+    given the documents' boundaries, verl's ``cu_seqlens`` to its Qwen3.5 forward)."""
     name = type(model).__name__
     spec = audited(model)
     taken = spec.inputs if spec is not None else frozenset()
@@ -455,7 +458,7 @@ def check_backbone_inputs(
     _check_position_ids(name, spec, position_ids, input_ids)
     if spec is not None:
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-        if not spec.packing:
+        if not spec.packing and not boundaries:
             _check_one_document_per_row(name, position_ids, mask)
         spec.check(model, input_ids, mask, {**model_kwargs, "position_ids": position_ids})
 
