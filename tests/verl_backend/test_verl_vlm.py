@@ -1,17 +1,20 @@
 """logitless as verl's fused-kernel backend on vision-language models, through verl 0.9's own
 FSDP engine forward on CPU (tests/verl_backend/_engine.py).
 
-Tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE models from the configs of
-tests/test_hf_vlm.py (nothing is downloaded), each patched by verl's ``apply_monkey_patch``
-three ways: ``impl_backend=logitless``, verl's ``impl_backend=torch`` (its
-``qwen2_vl`` / ``qwen3_vl`` fused forward) and the unfused path (verl's VLM forward returning
-logits -> log-softmax), plus the unfused path on a float64 copy (the truth). The micro-batch is
-verl's: nested ``input_ids``, ``[4, T]`` position ids per sequence (text positions, then the
-model's ``get_rope_index`` sections, as verl's datasets build them) and the processor's image
-inputs per sample in ``multi_modal_inputs``; verl's engine packs it into its remove-padding
-layout (``input_ids [1, nnz]``, ``position_ids [4, 1, nnz]``, ``shift_labels``, no attention
-mask). Log-probs, entropy and every parameter's gradient, the vision tower's included, within
-4x the fp32 / bf16 paths' error against float64 (tests/_tolerance.py).
+Tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE models from the
+configs of tests/test_hf_vlm.py (nothing is downloaded), each patched by verl's
+``apply_monkey_patch`` three ways: ``impl_backend=logitless``, verl's ``impl_backend=torch``
+(its ``qwen2_vl`` / ``qwen3_vl`` / ``qwen3_5`` fused forward) and the unfused path (verl's VLM
+forward returning logits -> log-softmax), plus the unfused path on a float64 copy (the truth).
+The micro-batch is verl's: nested ``input_ids``, ``[4, T]`` position ids per sequence (text
+positions, then the model's ``get_rope_index`` sections, as verl's datasets build them) and the
+processor's image inputs per sample in ``multi_modal_inputs``; verl's engine packs it into its
+remove-padding layout (``input_ids [1, nnz]``, ``position_ids [4, 1, nnz]``, ``shift_labels``,
+no attention mask; Qwen3.5: also the row's ``cu_seqlens``, which verl's engine passes to a
+forward that names them). Log-probs, entropy and every parameter's gradient, the vision tower's
+included, within 4x the fp32 / bf16 paths' error against float64 (tests/_tolerance.py).
+Qwen3.5's gated delta rule runs per document (:func:`per_document_delta_rule`: what
+flash-linear-attention's kernel computes; transformers' CPU fallback ignores ``cu_seqlens``).
 
 Attention: verl's remove-padding patch of Qwen2-VL's attention runs flash-attn's varlen kernel
 (CUDA only), so the models are patched with ``use_remove_padding=False`` and attend with
@@ -21,7 +24,8 @@ chosen by the micro-batch). Ulysses (2 gloo ranks, FSDP2) runs a backbone withou
 layers, as the text-model test does: verl's Ulysses attention is flash-attn only.
 
 Mutations checked: the image inputs not passed to the backbone, and the position ids reduced to
-their text row (2-D), each fail the comparisons here.
+their text row (2-D), each fail the comparisons here; so does Qwen3.5's ``cu_seqlens`` not
+passed to the backbone.
 """
 
 from __future__ import annotations
@@ -33,7 +37,16 @@ import pytest
 import test_hf_vlm as vlm  # the tiny configs and image rows of the HF tests
 import torch
 import transformers
-from _engine import _own_class, cpu_devices, engine, forward_step, lv, sharded_step, tiny_model
+from _engine import (
+    _own_class,
+    check_ranks_equal_one_process,
+    cpu_devices,
+    engine,
+    forward_step,
+    lv,
+    sharded_step,
+    tiny_model,
+)
 from _tolerance import assert_no_worse_than_reference
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
@@ -314,11 +327,8 @@ def test_ulysses_two_ranks_under_fsdp2_equal_one_process(ulysses):
     one = _run(model, "logitless", batch, g=g, e=e)
     unfused = _run(model, None, batch, g=g, e=e)
     truth = _run(model, None, batch, g=g, e=e, dtype=torch.float64)
-    for r in ranks:  # every rank holds the gathered outputs of the whole packed row
-        for i in range(2):
-            torch.testing.assert_close(r["logitless"][i], one[i], rtol=0, atol=0)
-            torch.testing.assert_close(r["logitless"][i], r["torch"][i], rtol=1e-5, atol=1e-6)
-        # verl's gather scales each rank's gradient by the group size, FSDP2 averages over the
-        # mesh: the reduced gradient, the vision tower's included, is the one-process one
-        refs = {"unfused, 1 process": unfused, "torch backend": r["torch"]}
-        _check_all(model, r["logitless"], refs, truth, len(g))
+
+    def check(got, refs, truth, _what):  # every gradient, the vision tower's included
+        _check_all(model, got, refs, truth, len(g))
+
+    check_ranks_equal_one_process(ranks, one, unfused, truth, check)

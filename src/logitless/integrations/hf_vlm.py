@@ -164,7 +164,9 @@ def _check_qwen(
         image = 0
         video = _pair(kwargs, "pixel_values_videos", "video", video_id, input_ids, attention_mask)
     else:
-        image = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
+        image = _pair(
+            kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask
+        )
         video = 0
         if not shared:
             video = _pair(

@@ -44,11 +44,15 @@ there. From megatron-core 0.18 verl passes its ``fused_output_processor`` to
 ``GPTModel.forward(output_processor=...)`` instead (its hook mode); that one is replaced by
 :func:`megatron_output_processor`.
 
-**Vision-language models** (:data:`VLM_CLASSES`: the Qwen-VL classes verl gives a fused
-forward of its own): the image / video inputs verl's engine passes (its ``multi_modal_inputs``)
-go to ``model.model``, verl's own backbone forward after ``apply_monkey_patch``, after the HF
-functions' checks of them (:func:`logitless.integrations.hf_vlm.check_backbone_inputs`); the
-position ids must be verl's ``[4, B, T]`` (``[4, 1, total_nnz]`` packed).
+**Vision-language models** (:data:`VLM_CLASSES`: the Qwen-VL and Qwen3.5 classes verl gives a
+fused forward of its own): the image / video inputs verl's engine passes (its
+``multi_modal_inputs``) go to ``model.model``, verl's own backbone forward after
+``apply_monkey_patch``, after the HF functions' checks of them
+(:func:`logitless.integrations.hf_vlm.check_backbone_inputs`); the position ids must be verl's
+``[4, B, T]`` (``[4, 1, total_nnz]`` packed). Qwen3.5's forward also takes the packed row's
+``cu_seqlens`` / ``cu_seqlens_cpu`` (as verl's ``qwen3_5`` forward does, so verl's engine
+passes them) and hands them to the backbone, whose linear-attention layers keep the documents
+apart with them.
 
 Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
 .SUPPORTED_MODELS`, a multimodal model outside :data:`VLM_CLASSES`, image inputs that do not
@@ -163,10 +167,13 @@ def use(model: nn.Module, *, batch_invariant: bool = False) -> None:
 
 #: The vision-language classes ``impl_backend=logitless`` serves: those verl 0.9's
 #: ``patch_forward_with_backends`` gives a fused forward of its own (by ``config.model_type``:
-#: ``verl.models.transformers.qwen2_vl`` / ``qwen3_vl``) that logitless's HF integration audits
-#: (:data:`logitless.integrations.hf_vlm.AUDITED`). verl's ``apply_monkey_patch`` has replaced
-#: their backbone's forward (``model.model``) by its own, which embeds the image / video inputs;
-#: :func:`verl_forward` calls it as verl's fused forwards do.
+#: ``verl.models.transformers.qwen2_vl`` / ``qwen3_vl`` / ``qwen3_5``) that logitless's HF
+#: integration audits (:data:`logitless.integrations.hf_vlm.AUDITED`). verl's
+#: ``apply_monkey_patch`` has replaced their backbone's forward (``model.model``) by its own,
+#: which embeds the image / video inputs; :func:`verl_forward` calls it as verl's fused forwards
+#: do. Not here: GLM-4V (verl 0.9.1's ``glm4v`` forward reads ``.shape`` of the vision tower's
+#: output, a ``BaseModelOutputWithPooling`` under transformers 5, and fails) and GLM-4V-MoE (no
+#: forward of verl's own).
 VLM_CLASSES: tuple[str, ...] = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
