@@ -134,6 +134,36 @@ def _pair(
     return tokens
 
 
+def _placeholders(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: Mapping[str, Any],
+    shared: bool,
+) -> tuple[int, int, dict[str, int]]:
+    """The image and video placeholder tokens of ``input_ids`` (paired with their pixel
+    values, :func:`_pair`) and the token id of each kind; ``shared``: see
+    :func:`_check_qwen`."""
+    cfg = model.config
+    video_id = cfg.image_token_id if shared else cfg.video_token_id
+    ids = {"image": cfg.image_token_id, "video": video_id}
+    if not shared:
+        image = _pair(kwargs, "pixel_values", "image", ids["image"], input_ids, attention_mask)
+        video = _pair(kwargs, "pixel_values_videos", "video", video_id, input_ids, attention_mask)
+        return image, video, ids
+    if all(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
+        raise ValueError(
+            f"pixel_values and pixel_values_videos given together, but {type(model).__name__} "
+            f"places images and videos at the same token id (image_token_id "
+            f"{cfg.image_token_id}) and its forward scatters each into all of them "
+            "(transformers raises on the count): pass images and videos in separate calls"
+        )
+    if kwargs.get("pixel_values_videos") is not None:
+        video = _pair(kwargs, "pixel_values_videos", "video", video_id, input_ids, attention_mask)
+        return 0, video, ids
+    return _pair(kwargs, "pixel_values", "image", ids["image"], input_ids, attention_mask), 0, ids
+
+
 def _check_qwen(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -149,30 +179,7 @@ def _check_qwen(
     so one call takes images or videos, not both."""
     cfg = model.config
     merge = int(cfg.vision_config.spatial_merge_size)
-    video_id = cfg.image_token_id if shared else cfg.video_token_id
-    if shared:
-        both = all(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
-        if both:
-            raise ValueError(
-                f"pixel_values and pixel_values_videos given together, but "
-                f"{type(model).__name__} places images and videos at the same token id "
-                f"(image_token_id {cfg.image_token_id}) and its forward scatters each into all "
-                "of them (transformers raises on the count): pass images and videos in "
-                "separate calls"
-            )
-    if shared and kwargs.get("pixel_values_videos") is not None:
-        image = 0
-        video = _pair(kwargs, "pixel_values_videos", "video", video_id, input_ids, attention_mask)
-    else:
-        image = _pair(
-            kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask
-        )
-        video = 0
-        if not shared:
-            video = _pair(
-                kwargs, "pixel_values_videos", "video", video_id, input_ids, attention_mask
-            )
-    ids = {"image": cfg.image_token_id, "video": video_id}
+    image, video, ids = _placeholders(model, input_ids, attention_mask, kwargs, shared)
     for kind, tokens, pixels, grid_name in (
         ("image", image, "pixel_values", "image_grid_thw"),
         ("video", video, "pixel_values_videos", "video_grid_thw"),
