@@ -53,10 +53,19 @@ VLM_MODELS = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "glm4v": "Glm4vForConditionalGeneration",
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
 }
-QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# the classes with Qwen's image inputs (grids, mm_token_type_ids) and multimodal rope
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v")
+QWEN += ("glm4v_moe",)
+# hybrid linear-attention models: one document per row (a packed row is refused)
+RECURRENT = ("qwen3_5", "qwen3_5_moe")
+GLM_VIDEO_START, GLM_VIDEO_END = 254, 255
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -99,6 +108,42 @@ def _config(name: str, **moe):
             decoder_sparse_step=1, router_aux_loss_coef=0.02, **moe,
         )  # fmt: skip
         return t.Qwen3VLMoeConfig(text_config=text, vision_config=qwen3_vision, **qwen)
+    if name.startswith("qwen3_5"):
+        text = dict(
+            _TEXT, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters=dict(
+                rope_type="default", mrope_interleaved=True, partial_rotary_factor=1.0, **_MROPE
+            ),
+        )  # fmt: skip
+        vision = dict(
+            _QWEN_VISION, intermediate_size=64, out_hidden_size=32, num_position_embeddings=16
+        )
+        if name == "qwen3_5":
+            return t.Qwen3_5Config(text_config=text, vision_config=vision, **qwen)
+        text.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, router_aux_loss_coef=0.02, **moe,
+        )  # fmt: skip
+        return t.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **qwen)
+    if name.startswith("glm4v"):
+        text = dict(
+            _TEXT,
+            rope_parameters=dict(rope_type="default", partial_rotary_factor=1.0, **_MROPE),
+        )
+        vision = dict(_QWEN_VISION, intermediate_size=64, out_hidden_size=32, image_size=8)
+        glm = dict(
+            image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=VISION_START,
+            image_end_token_id=253, video_start_token_id=GLM_VIDEO_START,
+            video_end_token_id=GLM_VIDEO_END,
+        )  # fmt: skip
+        if name == "glm4v":
+            return t.Glm4vConfig(text_config=text, vision_config=vision, **glm)
+        text.update(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            first_k_dense_replace=1, n_shared_experts=1, router_aux_loss_coef=0.02, **moe,
+        )  # fmt: skip
+        return t.Glm4vMoeConfig(text_config=text, vision_config=vision, **glm)
     if name == "gemma3":
         return t.Gemma3Config(
             text_config=t.Gemma3TextConfig(**_TEXT, final_logit_softcapping=3.0),
@@ -127,7 +172,7 @@ def _model(name: str, dtype: torch.dtype = torch.float32, **moe) -> torch.nn.Mod
     torch.manual_seed(1234)
     cls = getattr(transformers, VLM_MODELS[name])
     # MoE experts run the eager loop: the grouped-matmul kernel has no float64 (the truth copy)
-    extra = {"experts_implementation": "eager"} if name == "qwen3_vl_moe" else {}
+    extra = {"experts_implementation": "eager"} if name.endswith("moe") else {}
     model = cls._from_config(_config(name, **moe), **extra)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.25)
@@ -340,8 +385,10 @@ LAYOUTS = ["left_pad", "right_pad", "packed"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", list(VLM_MODELS))
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [(n, lay) for n in VLM_MODELS for lay in LAYOUTS if not (n in RECURRENT and lay == "packed")],
+)
 def test_logprobs_match_model_logits(name, layout, dtype):
     lay = _layout(name, layout)
     temperature = 0.8
@@ -349,6 +396,33 @@ def test_logprobs_match_model_logits(name, layout, dtype):
         gen = torch.Generator().manual_seed(3)
         temperature = 0.5 + torch.rand(lay["ids"].shape, generator=gen)
     _check_logprobs(_model(name, dtype), lay, temperature)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_hybrid_linear_attention_refuses_packed_rows(name):
+    """Qwen3.5's Gated DeltaNet layers run along the whole row: the model's own forward on a
+    packed row lets each document read the ones before it (its attention layers alone keep
+    them apart). Refused before the backbone runs; one document per row (padded) is not."""
+    model = _model(name)
+    calls: list = []
+    model.model.register_forward_pre_hook(lambda *_, c=calls: c.append(1))
+    lay = _packed(name)
+    _raises(model, calls, lay["ids"], "linear-attention layers", **lay["kw"])
+    # the refusal is not overcautious: the model's own logits of the last document (text
+    # only) differ from the same document scored alone
+    n = _ROWS[-1][0]  # 9 text tokens
+    last = lay["ids"][:, -n:]
+    assert int(lay["kw"]["position_ids"][0, 0, -n]) == 0
+    with torch.no_grad():
+        packed = model(lay["ids"], use_cache=False, **lay["model_kw"]).logits
+        alone = model(last, use_cache=False).logits
+    assert not torch.allclose(packed[:, -last.shape[1] :], alone, atol=1e-3)
+    # [4, B, T] position ids of one document per row (no restart) are taken
+    pad = _padded(name, "right_pad")
+    kw = dict(pad["kw"])
+    kw["position_ids"] = torch.cat([(pad["kw"]["attention_mask"].cumsum(-1) - 1)[None],
+                                    kw["position_ids"]])  # fmt: skip
+    hf.causal_lm_logprobs(model, pad["ids"], **kw)
 
 
 def test_every_vision_language_model_is_tested():
@@ -364,7 +438,7 @@ def test_gemma3_has_no_softcap_whatever_its_text_config():
     assert hf.causal_lm_head(model)[2:] == (None, 1.0)
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "gemma3", "llava"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "glm4v", "gemma3", "llava"])
 def test_packed_documents_equal_each_document_alone(name):
     """Packed rows keep documents apart in attention as well as in the labels: each document
     scored alone (its own image inputs, its own positions) gives the packed row's numbers.
@@ -475,6 +549,10 @@ LOSS_MATRIX = [
     ("gemma3", "packed", torch.float32),
     ("llava", "right_pad", torch.float32),
     ("llava", "packed", torch.bfloat16),
+    ("qwen3_5", "left_pad", torch.float32),
+    ("qwen3_5", "right_pad", torch.bfloat16),
+    ("glm4v", "packed", torch.float32),
+    ("glm4v", "left_pad", torch.bfloat16),
 ]
 
 
@@ -484,13 +562,20 @@ def test_policy_loss_matches_policy_loss_on_model_logits(name, layout, dtype, cf
     _check_loss(_model(name, dtype), _layout(name, layout, seed=2), cfg, dtype)
 
 
-@pytest.mark.parametrize("layout", ["left_pad", "packed"])
-def test_moe_policy_loss_adds_the_router_loss(layout):
-    """Qwen3-VL-MoE with output_router_logits: the loss gains the router's load-balancing loss
-    weighted by config.text_config.router_aux_loss_coef, as the model's forward adds it."""
-    model = _model("qwen3_vl_moe", output_router_logits=True)
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("qwen3_vl_moe", "left_pad"), ("qwen3_vl_moe", "packed"), ("qwen3_5_moe", "left_pad"),
+        ("glm4v_moe", "right_pad"), ("glm4v_moe", "packed"),
+    ],
+)  # fmt: skip
+def test_moe_policy_loss_adds_the_router_loss(name, layout):
+    """Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4V-MoE with output_router_logits: the loss gains the
+    router's load-balancing loss weighted by config.text_config.router_aux_loss_coef, with the
+    expert count the forward reads (GLM-4V-MoE: num_local_experts), as the model adds it."""
+    model = _model(name, output_router_logits=True)
     assert hf.causal_lm_router_aux_coef(model) == 0.02
-    _check_loss(model, _layout("qwen3_vl_moe", layout, seed=2), LOSS, torch.float32, aux=0.02)
+    _check_loss(model, _layout(name, layout, seed=2), LOSS, torch.float32, aux=0.02)
 
 
 def _check_loss(model, lay, cfg, dtype, aux=0.0):
@@ -550,7 +635,7 @@ def test_divergence_matches_both_models_logits():
 # bad input: ValueError naming the argument, before the backbone runs
 
 
-@pytest.fixture(params=["qwen2_vl", "gemma3", "llava"])
+@pytest.fixture(params=["qwen2_vl", "qwen3_5", "glm4v", "gemma3", "llava"])
 def guarded(request):
     model = _model(request.param)
     calls: list = []
@@ -596,7 +681,7 @@ def test_image_count_mismatch(guarded):
         _raises(model, calls, lay["ids"], "pixel_values holds 4 images", **kw)
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "gemma3"])  # LLaVA takes no type ids
+@pytest.mark.parametrize("name", ["qwen2_vl", "glm4v", "gemma3"])  # LLaVA takes no type ids
 def test_type_ids_must_match(name):
     model = _model(name)
     calls: list = []
@@ -611,15 +696,16 @@ def test_type_ids_must_match(name):
         _raises(model, calls, lay["ids"], f"{key} must be given", **kw)
 
 
-def test_qwen_refuses_2d_position_ids():
-    model = _model("qwen2_vl")
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_5", "glm4v"])
+def test_qwen_refuses_2d_position_ids(name):
+    model = _model(name)
     calls: list = []
     model.model.register_forward_pre_hook(lambda *_, c=calls: c.append(1))
-    lay = _padded("qwen2_vl", "right_pad")
+    lay = _padded(name, "right_pad")
     kw = dict(lay["kw"])
     kw["position_ids"] = kw["position_ids"][0]
     _raises(model, calls, lay["ids"], "position_ids must have shape", **kw)
-    lay = _packed("qwen2_vl")
+    lay = _packed(name)
     kw = {k: v for k, v in lay["kw"].items() if k != "position_ids"}
     cu = torch.tensor([0, 10, 17, lay["ids"].shape[1]])
     _raises(model, calls, lay["ids"], "cu_seqlens gives 2-D ones", cu_seqlens=cu, **kw)
@@ -649,7 +735,7 @@ def test_inputs_a_model_does_not_take():
         hf.causal_lm_logprobs(_model("gemma3"), lay["ids"], mm_encoder_outputs={}, **lay["kw"])
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_video_inputs_match_model_logits(name):
     """A video (2 temporal patches of 4 x 4: 8 tokens) beside an image: pixel_values_videos
     and video_grid_thw reach the backbone, mm_token_type_ids marks the video tokens 2. Qwen2-VL
@@ -658,7 +744,7 @@ def test_video_inputs_match_model_logits(name):
     are not input_ids' is refused."""
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(3, 200, (2, 20), generator=g)
-    frames = name == "qwen3_vl"
+    frames = name in ("qwen3_vl", "qwen3_5")
     ids[0, 1], ids[0, 2:10] = VISION_START, VIDEO
     if frames:
         ids[0, 6], ids[0, 7] = 7, VISION_START  # frame 2: ids[0, 8:12]
@@ -693,3 +779,40 @@ def test_video_inputs_match_model_logits(name):
     no_video = {k: v for k, v in kw.items() if "video" not in k}
     with pytest.raises(ValueError, match="pixel_values_videos is not given"):
         hf.causal_lm_logprobs(model, ids, **no_video)
+
+
+@pytest.mark.parametrize("name", ["glm4v", "glm4v_moe"])
+def test_glm4v_video_is_image_tokens_typed_2(name):
+    """GLM-4V's video: one run of image tokens per frame (2 temporal patches of 4 x 4: two
+    runs of 4, each in <begin_of_image> ... <end_of_image> and a timestamp, inside
+    <begin_of_video> ... <end_of_video>), marked 2 in mm_token_type_ids, beside a text-only row:
+    pixel_values_videos and video_grid_thw reach the backbone. Images and videos in one call
+    (the forward scatters both into every image token: transformers raises) are refused, as
+    are type ids that call the frames images."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 200, (2, 20), generator=g)
+    ids[0, 1], ids[0, 2], ids[0, 3:7], ids[0, 7] = GLM_VIDEO_START, VISION_START, IMAGE, 253
+    ids[0, 9], ids[0, 10:14], ids[0, 14], ids[0, 16] = VISION_START, IMAGE, 253, GLM_VIDEO_END
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    kw = {
+        "attention_mask": mask,
+        "pixel_values_videos": torch.randn(32, 24, generator=g),
+        "video_grid_thw": torch.tensor([[2, 4, 4]]),
+        "mm_token_type_ids": (ids == IMAGE).int() * 2,
+    }
+    doc = torch.where(mask.bool(), torch.arange(2)[:, None], -1)
+    lay = dict(ids=ids, kw=kw, model_kw=kw, doc=doc, labels=_expected_labels(ids, doc, None))
+    model = _model(name)
+    _check_logprobs(model, lay, 0.8)
+    calls: list = []
+    model.model.register_forward_pre_hook(lambda *_, c=calls: c.append(1))
+    both = dict(kw, pixel_values=torch.randn(16, 24), image_grid_thw=torch.tensor([[1, 4, 4]]))
+    _raises(model, calls, ids, "pixel_values and pixel_values_videos given together", **both)
+    typed_1 = dict(kw, mm_token_type_ids=(ids == IMAGE).int())
+    _raises(model, calls, ids, "mm_token_type_ids must be 2 at token id", **typed_1)
+    one_run = ids.clone()
+    one_run[0, 7:10] = IMAGE  # the two frames' tokens in one run of 11
+    _raises(model, calls, one_run, "video_grid_thw describes 8", **kw)
+    no_video = {k: v for k, v in kw.items() if "video" not in k}
+    _raises(model, calls, ids, "pixel_values is not given", **no_video)

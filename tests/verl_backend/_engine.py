@@ -11,6 +11,7 @@ loss is verl's code, and the model's forward is the one ``apply_monkey_patch`` c
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import transformers
@@ -94,6 +95,9 @@ def engine(module: torch.nn.Module, *, sp: int = 1, dtype=torch.float32, group=N
     eng.pad_to_length_bucket = 1
     eng._autocast_dtype = dtype
     eng.compute_entropy_from_logits = verl_F.entropy_from_logits
+    # as verl's _build_model_optimizer decides it: the packed row's cu_seqlens go to a forward
+    # whose signature names them (verl's Qwen3.5 forwards, logitless's forward for Qwen3.5)
+    eng.pass_packed_cu_seqlens = "cu_seqlens" in inspect.signature(module.forward).parameters
     return eng
 
 
@@ -172,6 +176,22 @@ def sharded_step(model, backend, mesh, group, world, batch, g, e, *, patch=None,
     return lp, ent, {n: t.full_tensor() for n, t in grads.items()}
 
 
+def check_ranks_equal_one_process(ranks, one, unfused, truth, check, ours=("logitless",)):
+    """The Ulysses comparison of test_verl_engine.py and test_verl_vlm.py. Every rank holds the
+    gathered outputs of the whole packed row: each run of ``ours`` gives the one-process run
+    ``one``'s log-probs and entropy bit for bit, and verl's torch backend's on the same ranks
+    (``r["torch"]``) within fp32 reassociation. verl's gather scales each rank's gradient by
+    the group size and FSDP2 averages over the mesh, so the reduced gradient is the
+    one-process one: ``check(got, refs, truth, what)`` holds each run to ``refs``, the unfused
+    one-process run and verl's torch backend, against ``truth``."""
+    for r in ranks:
+        for key in ours:
+            for i in range(2):
+                torch.testing.assert_close(r[key][i], one[i], rtol=0, atol=0)
+                torch.testing.assert_close(r[key][i], r["torch"][i], rtol=1e-5, atol=1e-6)
+            check(r[key], {"unfused, 1 process": unfused, "torch backend": r["torch"]}, truth, key)
+
+
 def ulysses_worker(rank: int, world: int) -> dict:
     """One rank of the one 2-process launch that every Ulysses check of this folder shares
     (CI time: one launch instead of one per test file). Both ranks form one Ulysses group and
@@ -197,5 +217,5 @@ def ulysses_worker(rank: int, world: int) -> dict:
 
 __all__ = [
     "lv", "patched", "engine", "micro_batch", "forward_step", "tiny_model", "tiny_gemma2",
-    "cpu_devices",
+    "cpu_devices", "check_ranks_equal_one_process",
 ]  # fmt: skip

@@ -17,6 +17,7 @@ import torch
 import transformers
 import verl.utils.tensordict_utils as tu
 from _engine import (
+    check_ranks_equal_one_process,
     cpu_devices,
     engine,
     forward_step,
@@ -249,16 +250,12 @@ def test_ulysses_two_ranks_under_fsdp2_equal_one_process(ulysses):
     one = _run(model, "logitless", seqs, g=g, e=e)
     unfused = _run(model, None, seqs, g=g, e=e)
     truth = _run(model, None, seqs, g=g, e=e, dtype=torch.float64)
-    for r in ranks:  # every rank holds the gathered outputs of the whole packed row
-        for i in range(2):
-            torch.testing.assert_close(r["logitless"][i], one[i], rtol=0, atol=0)
-            torch.testing.assert_close(r["logitless"][i], r["torch"][i], rtol=1e-5, atol=1e-6)
-            # the head run inside lm_head's own unit: the same rows, bit for bit
-            torch.testing.assert_close(r["logitless, lm_head unit"][i], one[i], rtol=0, atol=0)
-        # verl's gather scales each rank's gradient by the group size, FSDP2 averages over the
-        # mesh: the reduced gradient is the one-process gradient
+
+    def grads(got, refs, truth, what):
         for n in truth[2]:
-            refs = {"unfused, 1 process": unfused[2][n], "torch backend": r["torch"][2][n]}
-            _check(f"grad {n}", r["logitless"][2][n], refs, truth[2][n])
-            unit = r["logitless, lm_head unit"][2][n]
-            _check(f"grad {n} (lm_head unit)", unit, refs, truth[2][n])
+            ref = {k: v[2][n] for k, v in refs.items()}
+            _check(f"grad {n} ({what})", got[2][n], ref, truth[2][n])
+
+    # the head run inside lm_head's own unit too: the same rows, bit for bit
+    ours = ("logitless", "logitless, lm_head unit")
+    check_ranks_equal_one_process(ranks, one, unfused, truth, grads, ours)

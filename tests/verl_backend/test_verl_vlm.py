@@ -1,17 +1,20 @@
 """logitless as verl's fused-kernel backend on vision-language models, through verl 0.9's own
 FSDP engine forward on CPU (tests/verl_backend/_engine.py).
 
-Tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE models from the configs of
-tests/test_hf_vlm.py (nothing is downloaded), each patched by verl's ``apply_monkey_patch``
-three ways: ``impl_backend=logitless``, verl's ``impl_backend=torch`` (its
-``qwen2_vl`` / ``qwen3_vl`` fused forward) and the unfused path (verl's VLM forward returning
-logits -> log-softmax), plus the unfused path on a float64 copy (the truth). The micro-batch is
-verl's: nested ``input_ids``, ``[4, T]`` position ids per sequence (text positions, then the
-model's ``get_rope_index`` sections, as verl's datasets build them) and the processor's image
-inputs per sample in ``multi_modal_inputs``; verl's engine packs it into its remove-padding
-layout (``input_ids [1, nnz]``, ``position_ids [4, 1, nnz]``, ``shift_labels``, no attention
-mask). Log-probs, entropy and every parameter's gradient, the vision tower's included, within
-4x the fp32 / bf16 paths' error against float64 (tests/_tolerance.py).
+Tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE models from the
+configs of tests/test_hf_vlm.py (nothing is downloaded), each patched by verl's
+``apply_monkey_patch`` three ways: ``impl_backend=logitless``, verl's ``impl_backend=torch``
+(its ``qwen2_vl`` / ``qwen3_vl`` / ``qwen3_5`` fused forward) and the unfused path (verl's VLM
+forward returning logits -> log-softmax), plus the unfused path on a float64 copy (the truth).
+The micro-batch is verl's: nested ``input_ids``, ``[4, T]`` position ids per sequence (text
+positions, then the model's ``get_rope_index`` sections, as verl's datasets build them) and the
+processor's image inputs per sample in ``multi_modal_inputs``; verl's engine packs it into its
+remove-padding layout (``input_ids [1, nnz]``, ``position_ids [4, 1, nnz]``, ``shift_labels``,
+no attention mask; Qwen3.5: also the row's ``cu_seqlens``, which verl's engine passes to a
+forward that names them). Log-probs, entropy and every parameter's gradient, the vision tower's
+included, within 4x the fp32 / bf16 paths' error against float64 (tests/_tolerance.py).
+Qwen3.5's gated delta rule runs per document (:func:`per_document_delta_rule`: what
+flash-linear-attention's kernel computes; transformers' CPU fallback ignores ``cu_seqlens``).
 
 Attention: verl's remove-padding patch of Qwen2-VL's attention runs flash-attn's varlen kernel
 (CUDA only), so the models are patched with ``use_remove_padding=False`` and attend with
@@ -21,7 +24,8 @@ chosen by the micro-batch). Ulysses (2 gloo ranks, FSDP2) runs a backbone withou
 layers, as the text-model test does: verl's Ulysses attention is flash-attn only.
 
 Mutations checked: the image inputs not passed to the backbone, and the position ids reduced to
-their text row (2-D), each fail the comparisons here.
+their text row (2-D), each fail the comparisons here; so does Qwen3.5's ``cu_seqlens`` not
+passed to the backbone.
 """
 
 from __future__ import annotations
@@ -33,11 +37,20 @@ import pytest
 import test_hf_vlm as vlm  # the tiny configs and image rows of the HF tests
 import torch
 import transformers
-from _engine import _own_class, cpu_devices, engine, forward_step, lv, sharded_step, tiny_model
+from _engine import (
+    _own_class,
+    check_ranks_equal_one_process,
+    cpu_devices,
+    engine,
+    forward_step,
+    lv,
+    sharded_step,
+    tiny_model,
+)
 from _tolerance import assert_no_worse_than_reference
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Sequences of the micro-batch: text lengths and image grids (t, h, w patches), as
 # test_hf_vlm's rows; one sequence is text only (verl runs the vision tower on a dummy image).
 SEQS = [[3, (1, 4, 4), 4, (1, 2, 4), 3], [5], [2, (1, 2, 4), 6]]
@@ -49,16 +62,43 @@ def _cpu(monkeypatch):
 
 
 def tiny_vlm(name: str, layers: int = 2) -> torch.nn.Module:
-    """test_hf_vlm's tiny model of ``name`` with ``layers`` text decoder layers."""
+    """test_hf_vlm's tiny model of ``name`` with ``layers`` text decoder layers (Qwen3.5: its
+    gated delta rule per document, see :func:`per_document_delta_rule`)."""
     if layers == 2:
-        return vlm._model(name)
+        return per_document_delta_rule(vlm._model(name))
     torch.manual_seed(1234)
     cfg = vlm._config(name)
     cfg.text_config.num_hidden_layers = layers
+    cfg.text_config.layer_types = cfg.text_config.layer_types[:layers]
     model = getattr(transformers, vlm.VLM_MODELS[name])._from_config(cfg)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.25)
     return model.eval()
+
+
+def per_document_delta_rule(model: torch.nn.Module) -> torch.nn.Module:
+    """Qwen3.5's linear-attention layers with a gated delta rule that takes ``cu_seqlens``, as
+    flash-linear-attention's kernel (CUDA) does: transformers' torch fallback, run on each
+    document of the packed row. transformers' fallback itself takes any keyword and ignores
+    ``cu_seqlens`` (verl's packed forward then lets documents read each other; logitless
+    refuses it, test_qwen3_5_packed_row_needs_a_delta_rule_that_takes_cu_seqlens)."""
+    for m in model.modules():
+        rule = getattr(m, "chunk_gated_delta_rule", None)
+        if rule is None:
+            continue
+
+        def by_document(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, _rule=rule, **kw):
+            if cu_seqlens is None:
+                return _rule(q, k, v, g=g, beta=beta, **kw)
+            cu = cu_seqlens.tolist()
+            out = [
+                _rule(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], **kw)[0]
+                for a, b in zip(cu[:-1], cu[1:], strict=True)
+            ]
+            return torch.cat(out, dim=1), None
+
+        m.chunk_gated_delta_rule = by_document
+    return model
 
 
 def samples(model, name: str, seqs=SEQS, seed: int = 0):
@@ -169,11 +209,12 @@ def test_bf16_as_verl_runs_it(weights):
     _check_all(model, ours, {"unfused": unfused}, truth, len(g))
 
 
-def test_padded_layout():
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_padded_layout(name):
     """``use_remove_padding=False``: verl pads the rows and passes ``[4, B, T]`` position ids
-    with an attention mask. Each sequence's last position is scored on a filler (see
-    test_verl_engine.py); it gets no upstream gradient and is left out of the comparison."""
-    name = "qwen3_vl"
+    with an attention mask (Qwen3.5: no cu_seqlens, one sequence a row). Each sequence's last
+    position is scored on a filler (see test_verl_engine.py); it gets no upstream gradient and
+    is left out of the comparison."""
     model = tiny_vlm(name)
     batch = samples(model, name)
     g, e = _upstream(batch)
@@ -218,9 +259,45 @@ def test_bad_inputs_raise_naming_the_argument():
     with pytest.raises(ValueError, match="pixel_values given, but Qwen2ForCausalLM"):
         text(input_ids=torch.tensor([[1, 2, 3]]), pixel_values=images["pixel_values"])
     # vision-language classes verl's fused kernels do not serve (its dense forward for them)
-    for other in ("gemma3", "llava"):
+    # (GLM-4V: verl 0.9.1's glm4v forward reads .shape of the vision tower's output, a
+    # BaseModelOutputWithPooling under transformers 5, and fails; GLM-4V-MoE has none)
+    for other in ("gemma3", "llava", "glm4v", "glm4v_moe"):
         with pytest.raises(ValueError, match="multimodal model outside Qwen2VL"):
             lv.use(vlm._model(other))
+    # cu_seqlens: only Qwen3.5's verl forward takes them
+    with pytest.raises(ValueError, match="cu_seqlens given, but Qwen2VLFor"):
+        mod(input_ids=ids, position_ids=pos, cu_seqlens=torch.tensor([0, 9]), **images)
+
+
+def test_qwen3_5_packed_row_needs_a_delta_rule_that_takes_cu_seqlens():
+    """transformers' torch fallback of the gated delta rule (no flash-linear-attention) takes
+    ``cu_seqlens`` and ignores it: verl's own Qwen3.5 forward then lets each document of the
+    packed row read the ones before it. logitless refuses that packed row by name, takes a
+    micro-batch of one sequence, and refuses a packed row without ``cu_seqlens`` (its
+    linear-attention layers would get no boundaries at all) and malformed ``cu_seqlens``."""
+    name = "qwen3_5"
+    model = vlm._model(name)  # transformers' own fallback, unwrapped
+    mod = patched(model, "logitless")
+    assert "cu_seqlens" in __import__("inspect").signature(mod.forward).parameters
+    batch = samples(model, name)
+    with pytest.raises(ValueError, match="torch fallback of the gated delta rule"):
+        forward_step(engine(mod), micro_batch(batch, temperature=0.8))
+    one = batch[:1]
+    g, e = _upstream(one)
+    ours = forward_step(engine(mod), micro_batch(one, temperature=0.8), g, e)
+    ref = _run(model, "torch", one, g=g, e=e)
+    truth = _run(model, None, one, g=g, e=e, dtype=torch.float64)
+    _check_all(model, ours, {"torch backend": ref}, truth, len(g))
+    ids = torch.tensor([sum((i for i, _, _ in batch), [])])
+    pos = torch.cat([p for _, p, _ in batch], dim=1)[:, None]
+    images = {
+        "pixel_values": torch.cat([m["pixel_values"] for _, _, m in batch if m]),
+        "image_grid_thw": torch.cat([m["image_grid_thw"] for _, _, m in batch if m]),
+    }
+    with pytest.raises(ValueError, match="restart within a row"):
+        mod(input_ids=ids, position_ids=pos, **images)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be \[D \+ 1\] integers from 0"):
+        mod(input_ids=ids, position_ids=pos, cu_seqlens=torch.tensor([3, 0]), **images)
 
 
 # --- Ulysses sequence parallelism on 2 gloo ranks, under FSDP2 ------------------------------
@@ -250,11 +327,8 @@ def test_ulysses_two_ranks_under_fsdp2_equal_one_process(ulysses):
     one = _run(model, "logitless", batch, g=g, e=e)
     unfused = _run(model, None, batch, g=g, e=e)
     truth = _run(model, None, batch, g=g, e=e, dtype=torch.float64)
-    for r in ranks:  # every rank holds the gathered outputs of the whole packed row
-        for i in range(2):
-            torch.testing.assert_close(r["logitless"][i], one[i], rtol=0, atol=0)
-            torch.testing.assert_close(r["logitless"][i], r["torch"][i], rtol=1e-5, atol=1e-6)
-        # verl's gather scales each rank's gradient by the group size, FSDP2 averages over the
-        # mesh: the reduced gradient, the vision tower's included, is the one-process one
-        refs = {"unfused, 1 process": unfused, "torch backend": r["torch"]}
-        _check_all(model, r["logitless"], refs, truth, len(g))
+
+    def check(got, refs, truth, _what):  # every gradient, the vision tower's included
+        _check_all(model, got, refs, truth, len(g))
+
+    check_ranks_equal_one_process(ranks, one, unfused, truth, check)

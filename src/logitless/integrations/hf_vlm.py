@@ -25,6 +25,25 @@ Read in transformers 5.24's modeling files:
   at document ends); ``None`` lets the model compute them from ``mm_token_type_ids`` and the
   grids. A 2-D ``position_ids`` is accepted by the model and broadcast to the three sections,
   which gives other hidden states than the processor's inputs: refused.
+- ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration`` (Qwen3.5):
+  as Qwen3-VL (``logits = lm_head(hidden)``, no transform; the same image / video names, rope
+  and ``get_rope_index``, a video one run per frame; the MoE one adds the router loss with
+  ``config.text_config``'s ``num_experts``, ``num_experts_per_tok``,
+  ``router_aux_loss_coef``). The language model is a hybrid: Gated DeltaNet linear-attention
+  layers (a causal convolution and a recurrent state along the row; transformers' torch
+  fallback runs them on CPU, in float32 whatever the model's dtype) between attention layers.
+  Its forward keeps packed documents apart only in the attention layers (the text row of
+  ``[4, B, T]`` position ids masks them); the linear-attention layers take no document
+  boundaries, so a packed row is refused (one document per row; padding is zeroed before
+  those layers).
+- ``Glm4vForConditionalGeneration`` and ``Glm4vMoeForConditionalGeneration`` (GLM-4.1V,
+  GLM-4.5V): ``logits = lm_head(hidden)``, no transform; the Qwen image / video names and
+  ``[3, B, T]`` / ``[4, B, T]`` rope (``get_rope_index`` splits a video into frames: one run
+  of placeholders per frame). A video's placeholders are **image** tokens
+  (``image_token_id``; the processor marks them 2 in ``mm_token_type_ids``), and the forward
+  scatters images into every image token and videos into every image token: a call with both
+  fails in transformers, so one with both is refused. The MoE one adds the router loss with
+  ``config.text_config.num_local_experts``.
 - ``Gemma3ForConditionalGeneration``: ``logits = lm_head(hidden)`` with **no** final-logit
   soft-capping, although its text config may carry ``final_logit_softcapping`` (the text-only
   ``Gemma3ForCausalLM`` applies it; this class's forward does not). ``token_type_ids`` (1 at
@@ -62,12 +81,15 @@ def _none(model: nn.Module) -> tuple[float | None, float]:
 class VisionLanguage(NamedTuple):
     """An audited vision-language class: what its forward does after ``lm_head`` (softcap,
     logit scale), its image / video arguments, whether its rope position ids are multimodal
-    (``[3, B, T]``), and the check of its image inputs against ``input_ids``."""
+    (``[3, B, T]``), the check of its image inputs against ``input_ids``, and whether a row
+    may hold several packed documents (False where layers other than attention, a recurrent
+    state, would carry one document into the next)."""
 
     transform: Callable[[nn.Module], tuple[float | None, float]]
     inputs: frozenset[str]
     mrope: bool
     check: Callable[[nn.Module, torch.Tensor, torch.Tensor | None, Mapping[str, Any]], None]
+    packing: bool = True
 
 
 def _count(input_ids: torch.Tensor, token_id: int, attention_mask: torch.Tensor | None) -> int:
@@ -112,21 +134,52 @@ def _pair(
     return tokens
 
 
+def _placeholders(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: Mapping[str, Any],
+    shared: bool,
+) -> tuple[int, int, dict[str, int]]:
+    """The image and video placeholder tokens of ``input_ids`` (paired with their pixel
+    values, :func:`_pair`) and the token id of each kind; ``shared``: see
+    :func:`_check_qwen`."""
+    cfg = model.config
+    video_id = cfg.image_token_id if shared else cfg.video_token_id
+    ids = {"image": cfg.image_token_id, "video": video_id}
+    if not shared:
+        image = _pair(kwargs, "pixel_values", "image", ids["image"], input_ids, attention_mask)
+        video = _pair(kwargs, "pixel_values_videos", "video", video_id, input_ids, attention_mask)
+        return image, video, ids
+    if all(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
+        raise ValueError(
+            f"pixel_values and pixel_values_videos given together, but {type(model).__name__} "
+            f"places images and videos at the same token id (image_token_id "
+            f"{cfg.image_token_id}) and its forward scatters each into all of them "
+            "(transformers raises on the count): pass images and videos in separate calls"
+        )
+    if kwargs.get("pixel_values_videos") is not None:
+        video = _pair(kwargs, "pixel_values_videos", "video", video_id, input_ids, attention_mask)
+        return 0, video, ids
+    return _pair(kwargs, "pixel_values", "image", ids["image"], input_ids, attention_mask), 0, ids
+
+
 def _check_qwen(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     kwargs: Mapping[str, Any],
     frames: bool = False,
+    shared: bool = False,
 ) -> None:
     """Qwen's image and video inputs; ``frames``: a video is one run of placeholder tokens per
-    temporal patch (Qwen3-VL puts a timestamp before each frame), else one run per video."""
+    temporal patch (Qwen3-VL puts a timestamp before each frame), else one run per video.
+    ``shared``: a video's placeholders are image tokens too (GLM-4V; ``mm_token_type_ids``
+    marks them 2), and the forward scatters each of images and videos into every image token,
+    so one call takes images or videos, not both."""
     cfg = model.config
     merge = int(cfg.vision_config.spatial_merge_size)
-    image = _pair(kwargs, "pixel_values", "image", cfg.image_token_id, input_ids, attention_mask)
-    video = _pair(
-        kwargs, "pixel_values_videos", "video", cfg.video_token_id, input_ids, attention_mask
-    )
+    image, video, ids = _placeholders(model, input_ids, attention_mask, kwargs, shared)
     for kind, tokens, pixels, grid_name in (
         ("image", image, "pixel_values", "image_grid_thw"),
         ("video", video, "pixel_values_videos", "video_grid_thw"),
@@ -161,20 +214,22 @@ def _check_qwen(
         if sum(per) != tokens:
             raise ValueError(
                 f"{grid_name} describes {sum(per)} {kind} tokens ({per} after the {merge}x{merge} "
-                f"merge), but input_ids holds {tokens} (id {getattr(cfg, f'{kind}_token_id')})"
+                f"merge), but input_ids holds {tokens} (id {ids[kind]})"
             )
         if kind == "video" and frames:
             per = [n // t for n, t in zip(per, grid[:, 0].tolist(), strict=True) for _ in range(t)]
-        runs = _runs(input_ids, getattr(cfg, f"{kind}_token_id"), attention_mask)
+        runs = _runs(input_ids, ids[kind], attention_mask)
         if runs != per:
             each = "frames" if kind == "video" and frames else f"{kind}s"
             raise ValueError(
                 f"{grid_name} does not match input_ids' {kind}s: in row order its {each} have "
                 f"{per} tokens, the runs of {kind} tokens in input_ids {runs}"
             )
+    kinds = {1: cfg.image_token_id, 2: cfg.video_token_id}
+    if shared:  # the kind of this call's media at the image tokens
+        kinds = {2 if video else 1: cfg.image_token_id}
     _check_type_ids(
-        "mm_token_type_ids", kwargs, input_ids,
-        {1: cfg.image_token_id, 2: cfg.video_token_id},
+        "mm_token_type_ids", kwargs, input_ids, kinds,
         required=(image or video) and kwargs.get("position_ids") is None,
     )  # fmt: skip
 
@@ -271,6 +326,8 @@ _QWEN_INPUTS = frozenset(
 )
 _QWEN = VisionLanguage(_none, _QWEN_INPUTS, True, _check_qwen)
 _QWEN3 = _QWEN._replace(check=functools.partial(_check_qwen, frames=True))
+_GLM4V = _QWEN._replace(check=functools.partial(_check_qwen, frames=True, shared=True))
+_QWEN3_5 = _QWEN3._replace(packing=False)
 
 #: Audited vision-language class -> what its forward does and takes (see the module doc).
 AUDITED: dict[str, VisionLanguage] = {
@@ -280,6 +337,10 @@ AUDITED: dict[str, VisionLanguage] = {
     ),
     "Qwen3VLForConditionalGeneration": _QWEN3,
     "Qwen3VLMoeForConditionalGeneration": _QWEN3,
+    "Qwen3_5ForConditionalGeneration": _QWEN3_5,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5,
+    "Glm4vForConditionalGeneration": _GLM4V,
+    "Glm4vMoeForConditionalGeneration": _GLM4V,
     "Gemma3ForConditionalGeneration": VisionLanguage(
         _none,
         frozenset({"pixel_values", "token_type_ids"}),
@@ -351,6 +412,27 @@ def _check_position_ids(
         )
 
 
+def _check_one_document_per_row(
+    name: str, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> None:
+    """Refuses packed rows (text positions restarting at 0 within a row) for a class whose
+    linear-attention layers carry their recurrent state along the whole row."""
+    text = text_positions(position_ids)
+    if text is None:
+        return
+    starts = text == 0
+    if attention_mask is not None:
+        starts = starts & attention_mask.bool()
+    if bool((starts.sum(-1) > 1).any()):
+        raise ValueError(
+            f"position_ids' text positions restart within a row (packed documents), but "
+            f"{name}'s linear-attention layers (Gated DeltaNet: a convolution and a recurrent "
+            "state along the row) take no document boundaries in its forward: each document "
+            "would read the one before it. Pass one document per row (padding and an "
+            "attention_mask)"
+        )
+
+
 def audited(model: nn.Module) -> VisionLanguage | None:
     """The :data:`AUDITED` entry of ``model``'s class (or of a base of it); None for a text
     model."""
@@ -363,11 +445,14 @@ def check_backbone_inputs(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     model_kwargs: Mapping[str, Any],
+    boundaries: bool = False,
 ) -> None:
     """What the backbone of ``model`` (unwrapped, audited) gets, checked before it runs: the
     multimodal arguments it takes and only those; for a vision-language class, image tokens in
     ``input_ids`` with their pixel values and the reverse, grids and per-image token counts
-    that match, the type ids, and position ids of the rank its rope takes."""
+    that match, the type ids, position ids of the rank its rope takes, and one document per
+    row for a class that cannot keep packed documents apart (``boundaries``: the backbone is
+    given the documents' boundaries, verl's ``cu_seqlens`` to its Qwen3.5 forward)."""
     name = type(model).__name__
     spec = audited(model)
     taken = spec.inputs if spec is not None else frozenset()
@@ -382,17 +467,25 @@ def check_backbone_inputs(
     _check_position_ids(name, spec, position_ids, input_ids)
     if spec is not None:
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+        if not spec.packing and not boundaries:
+            _check_one_document_per_row(name, position_ids, mask)
         spec.check(model, input_ids, mask, {**model_kwargs, "position_ids": position_ids})
+
+
+#: The text-config attribute an MoE vision-language class's forward reads as its expert count
+#: (``num_experts`` where not listed).
+_EXPERTS = {"Glm4vMoeForConditionalGeneration": "num_local_experts"}
 
 
 def moe_router(model: nn.Module) -> tuple[int, int, float]:
     """An MoE model's ``(num_experts, experts per token, router_aux_loss_coef)`` as its forward
     reads them: its own attributes for the text classes, its text config for the
-    vision-language ones (Qwen3-VL-MoE's forward reads ``config.text_config``)."""
+    vision-language ones (Qwen3-VL-MoE's and Qwen3.5-MoE's forwards read
+    ``config.text_config.num_experts``, GLM-4V-MoE's ``num_local_experts``)."""
     if type(model).__name__ in AUDITED:
         text = model.config.get_text_config()
         return (
-            int(text.num_experts),
+            int(getattr(text, _EXPERTS.get(type(model).__name__, "num_experts"))),
             int(text.num_experts_per_tok),
             float(text.router_aux_loss_coef),
         )

@@ -44,11 +44,15 @@ there. From megatron-core 0.18 verl passes its ``fused_output_processor`` to
 ``GPTModel.forward(output_processor=...)`` instead (its hook mode); that one is replaced by
 :func:`megatron_output_processor`.
 
-**Vision-language models** (:data:`VLM_CLASSES`: the Qwen-VL classes verl gives a fused
-forward of its own): the image / video inputs verl's engine passes (its ``multi_modal_inputs``)
-go to ``model.model``, verl's own backbone forward after ``apply_monkey_patch``, after the HF
-functions' checks of them (:func:`logitless.integrations.hf_vlm.check_backbone_inputs`); the
-position ids must be verl's ``[4, B, T]`` (``[4, 1, total_nnz]`` packed).
+**Vision-language models** (:data:`VLM_CLASSES`: the Qwen-VL and Qwen3.5 classes verl gives a
+fused forward of its own): the image / video inputs verl's engine passes (its
+``multi_modal_inputs``) go to ``model.model``, verl's own backbone forward after
+``apply_monkey_patch``, after the HF functions' checks of them
+(:func:`logitless.integrations.hf_vlm.check_backbone_inputs`); the position ids must be verl's
+``[4, B, T]`` (``[4, 1, total_nnz]`` packed). Qwen3.5's forward also takes the packed row's
+``cu_seqlens`` / ``cu_seqlens_cpu`` (as verl's ``qwen3_5`` forward does, so verl's engine
+passes them) and hands them to the backbone, whose linear-attention layers keep the documents
+apart with them.
 
 Refused with ``ValueError`` naming what: a model outside :data:`logitless.integrations.hf
 .SUPPORTED_MODELS`, a multimodal model outside :data:`VLM_CLASSES`, image inputs that do not
@@ -65,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import sys
 import types
 from typing import Any
 
@@ -156,28 +161,52 @@ def use(model: nn.Module, *, batch_invariant: bool = False) -> None:
         hf.check_model(model)
     except ValueError as err:
         raise ValueError(f"impl_backend=logitless: {err}") from None
-    model.forward = types.MethodType(_bound_forward(batch_invariant), model)
+    packed = vlm in _CU_SEQLENS
+    model.forward = types.MethodType(_bound_forward(batch_invariant, packed), model)
 
 
 #: The vision-language classes ``impl_backend=logitless`` serves: those verl 0.9's
 #: ``patch_forward_with_backends`` gives a fused forward of its own (by ``config.model_type``:
-#: ``verl.models.transformers.qwen2_vl`` / ``qwen3_vl``) that logitless's HF integration audits
-#: (:data:`logitless.integrations.hf_vlm.AUDITED`). verl's ``apply_monkey_patch`` has replaced
-#: their backbone's forward (``model.model``) by its own, which embeds the image / video inputs;
-#: :func:`verl_forward` calls it as verl's fused forwards do.
+#: ``verl.models.transformers.qwen2_vl`` / ``qwen3_vl`` / ``qwen3_5``) that logitless's HF
+#: integration audits (:data:`logitless.integrations.hf_vlm.AUDITED`). verl's
+#: ``apply_monkey_patch`` has replaced their backbone's forward (``model.model``) by its own,
+#: which embeds the image / video inputs; :func:`verl_forward` calls it as verl's fused forwards
+#: do. Not here: GLM-4V (verl 0.9.1's ``glm4v`` forward reads ``.shape`` of the vision tower's
+#: output, a ``BaseModelOutputWithPooling`` under transformers 5, and fails) and GLM-4V-MoE (no
+#: forward of verl's own).
 VLM_CLASSES: tuple[str, ...] = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 
+#: The classes whose verl forward takes the packed row's ``cu_seqlens`` (and
+#: ``cu_seqlens_cpu``): verl's ``qwen3_5`` forward hands them to its linear-attention layers,
+#: which keep the documents apart with them. verl's engine passes them when the forward's
+#: signature names ``cu_seqlens``, so the forward given to these models does.
+_CU_SEQLENS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
-def _bound_forward(batch_invariant: bool):
+
+def _bound_forward(batch_invariant: bool, packed: bool = False):
     def forward(self: nn.Module, *args: Any, **kwargs: Any):
         return verl_forward(self, *args, batch_invariant=batch_invariant, **kwargs)
 
-    return forward
+    def forward_packed(
+        self: nn.Module,
+        *args: Any,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
+        return verl_forward(
+            self, *args, batch_invariant=batch_invariant, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, **kwargs,
+        )  # fmt: skip
+
+    return forward_packed if packed else forward
 
 
 # Keyword arguments verl's engines may hand a model's forward that logitless refuses, and what
@@ -204,13 +233,17 @@ def verl_forward(
     shift_labels: torch.Tensor | None = None,
     *,
     batch_invariant: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     **loss_kwargs: Any,
 ):
     """verl's fused forward, computed by logitless: ``CausalLMOutputForPPO(log_probs, entropy)``.
 
     What verl's ``forward_with_torch_backend`` returns for the same arguments (fp32
     ``log_probs`` and ``entropy`` of the labels' shape), from the model's backbone and its head
-    weight without the ``[tokens, vocab]`` logits. Labels: ``shift_labels`` as given, else
+    weight without the ``[tokens, vocab]`` logits. ``cu_seqlens`` / ``cu_seqlens_cpu`` (the
+    packed row's documents; Qwen3.5 only, as verl's forward for it takes them) go to the
+    backbone. Labels: ``shift_labels`` as given, else
     ``labels`` or ``input_ids`` rolled by -1 along the last dimension (verl's rule); positions
     where ``attention_mask`` is 0 hold 0.0. ``batch_invariant``: as in
     :func:`logitless.linear_logprobs`.
@@ -237,7 +270,8 @@ def verl_forward(
     if input_ids is None:
         raise ValueError("impl_backend=logitless needs input_ids (inputs_embeds is not supported)")
     lm_head, _, _ = hf.check_model(model)
-    _check_inputs(model, input_ids, attention_mask, position_ids, media)
+    packed = _check_cu_seqlens(model, input_ids, cu_seqlens, cu_seqlens_cpu)
+    _check_inputs(model, input_ids, attention_mask, position_ids, media, boundaries=bool(packed))
     labels = _labels(input_ids, attention_mask, labels, shift_labels)
     # The backbone as verl's own fused forwards call it, no cache: a vision-language model's
     # ``model.model`` (verl's own forward of it after apply_monkey_patch) with its image inputs.
@@ -246,6 +280,7 @@ def verl_forward(
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
+        **packed,
         **media,
     )
     tokens = seam.Tokens(backbone.last_hidden_state, labels)
@@ -286,12 +321,62 @@ def _pop_media(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in media.items() if v is not None}
 
 
+def _check_cu_seqlens(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """The ``cu_seqlens`` keyword arguments for the backbone (empty when not given), checked:
+    only a class of ``_CU_SEQLENS`` takes them, as ``[D + 1]`` integers from 0, non-decreasing.
+    Several documents need linear-attention kernels that take them: transformers' torch
+    fallback of the gated delta rule (used without flash-linear-attention) takes any keyword
+    and ignores them, so each document would read the one before it (verl's own forward then
+    runs so, silently): refused."""
+    if cu_seqlens is None and cu_seqlens_cpu is None:
+        return {}
+    name = type(model).__name__
+    if not any(c.__name__ in _CU_SEQLENS for c in type(model).__mro__):
+        raise ValueError(
+            f"impl_backend=logitless: cu_seqlens given, but {name}'s verl forward takes none "
+            f"(only {', '.join(_CU_SEQLENS)})"
+        )
+    if cu_seqlens is None:
+        raise ValueError("impl_backend=logitless: cu_seqlens_cpu given without cu_seqlens")
+    cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
+    ok = cu.dim() == 1 and cu.numel() >= 2 and not torch.is_floating_point(cu)
+    if not ok or int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+        raise ValueError(
+            "impl_backend=logitless: cu_seqlens must be [D + 1] integers from 0, non-decreasing, "
+            f"got {cu.tolist() if cu.numel() < 20 else tuple(cu.shape)}"
+        )
+    if cu.numel() > 2:
+        fallback = [
+            type(m).__name__
+            for m in model.modules()
+            if (f := getattr(m, "chunk_gated_delta_rule", None)) is not None
+            and f is getattr(sys.modules[type(m).__module__], "torch_chunk_gated_delta_rule", 0)
+        ]
+        if fallback:
+            raise ValueError(
+                f"impl_backend=logitless: {name}'s linear-attention layers ({fallback[0]}) run "
+                "transformers' torch fallback of the gated delta rule, which ignores cu_seqlens: "
+                "a packed row's documents would read each other. Install flash-linear-attention "
+                "(its kernels take cu_seqlens) or pass one document per micro-batch row"
+            )
+    out = {"cu_seqlens": cu_seqlens}
+    if cu_seqlens_cpu is not None:
+        out["cu_seqlens_cpu"] = cu_seqlens_cpu
+    return out
+
+
 def _check_inputs(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     media: dict[str, Any],
+    boundaries: bool = False,
 ) -> None:
     """What the backbone gets, checked as the HF functions check it
     (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`: image inputs only for a
@@ -300,7 +385,9 @@ def _check_inputs(
     positions first: what verl's datasets build and its Qwen2-VL forward demands; without the
     text row a packed row's documents would attend to each other)."""
     try:
-        hf_vlm.check_backbone_inputs(model, input_ids, attention_mask, position_ids, media)
+        hf_vlm.check_backbone_inputs(
+            model, input_ids, attention_mask, position_ids, media, boundaries=boundaries
+        )
     except ValueError as err:
         raise ValueError(f"impl_backend=logitless: {err}") from None
     spec = hf_vlm.audited(model)
