@@ -122,7 +122,9 @@ def _measure(method: str, args) -> dict:
     layer = ColumnParallelLinear(
         h, v, config=layer_config, init_method=None, bias=False, gather_output=False
     )
-    g = torch.Generator().manual_seed(ps.get_tensor_model_parallel_rank())
+    # the weight from a seed of its own: drawn from the hidden states' seed, rank 0's first
+    # rows were its first hidden rows (scaled), a near one-hot softmax no model has
+    g = torch.Generator().manual_seed(1000 + ps.get_tensor_model_parallel_rank())
     with torch.no_grad():
         layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / h**0.5)
     g = torch.Generator().manual_seed(0)  # the same tokens on every rank
