@@ -59,8 +59,9 @@ logits into ``vocab_parallel_cross_entropy``, which upcasts them itself, as a GP
 does; with ``--entropy`` the entropy is taken of the fp32 logits, as verl's actor gets them from
 ``Float16Module``). Under ``--distributed-optimizer`` DDP keeps an fp32 ``main_grad``
 (``grad_reduce_in_fp32``) and the optimizer fp32 main parameters (``OptimizerConfig(bf16=True)``);
-logitless adds its weight gradient into the fp32 ``main_grad`` as in fp32. bf16 matmuls are
-several times slower than fp32 ones on a CPU: measure at a smaller ``--seq``.
+logitless adds its weight gradient into the fp32 ``main_grad`` as in fp32. On a CPU without
+native bf16 matmuls (``avx512_bf16``, AMX) they are several times slower than fp32 ones:
+measure at a smaller ``--seq`` there.
 
 Each method runs in fresh processes (one per rank, file:// rendezvous). Every rank reports its
 peak extra RSS during one step (high-water mark reset before it) and the median time of
