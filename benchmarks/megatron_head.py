@@ -3,10 +3,14 @@
     python benchmarks/megatron_head.py --seq 8192 --hidden 1024 --vocab 151936 --tp 2
     python benchmarks/megatron_head.py --task loss --entropy --main-grad
     python benchmarks/megatron_head.py --task loss --entropy --distributed-optimizer
+    python benchmarks/megatron_head.py --distributed-optimizer --dtype bfloat16 --seq 4096
 
-The head of a megatron-core GPTModel on ``tp`` gloo ranks, fp32: the decoder's hidden states
-``[S, 1, H]`` and a real ``ColumnParallelLinear`` output layer (``gather_output=False``, this
-rank's ``[V/tp, H]`` rows). Forward + backward, two ways, of one of two tasks:
+The head of a megatron-core GPTModel on ``tp`` gloo ranks, fp32 (or ``--dtype bfloat16``): the
+decoder's hidden states ``[S, 1, H]`` and a real ``ColumnParallelLinear`` output layer
+(``gather_output=False``, this rank's ``[V/tp, H]`` rows). The weight is drawn from seed
+1000 + rank, the tokens and hidden states from seed 0 on every rank (the logits about N(0, 1),
+the mean max-probability over the vocabulary 3.7e-4). Forward + backward, two ways, of one of
+two tasks:
 
 ``--task logprobs`` (the default): the per-token log-probs (random upstream gradient):
 
@@ -47,6 +51,17 @@ the optimizer's shard is the whole of this rank's weight. megatron-core on a CPU
 test suite's shims (``tests/_megatron_shim.py``: the optimizer dispatches on ``param.type()``,
 makes its scalars on ``"cuda"``, ...); the Adam states are allocated in the warm-up step,
 outside the measured "extra".
+
+``--dtype bfloat16``: a bf16 model as Megatron-LM sets one up for training: bf16 hidden states,
+the output layer built with ``TransformerConfig(bf16=True, params_dtype=torch.bfloat16)`` and
+wrapped in ``Float16Module`` (called with ``fp32_output=False``: Megatron's path takes the bf16
+logits into ``vocab_parallel_cross_entropy``, which upcasts them itself, as a GPTModel's own loss
+does; with ``--entropy`` the entropy is taken of the fp32 logits, as verl's actor gets them from
+``Float16Module``). Under ``--distributed-optimizer`` DDP keeps an fp32 ``main_grad``
+(``grad_reduce_in_fp32``) and the optimizer fp32 main parameters (``OptimizerConfig(bf16=True)``);
+logitless adds its weight gradient into the fp32 ``main_grad`` as in fp32. On a CPU without
+native bf16 matmuls (``avx512_bf16``, AMX) they are several times slower than fp32 ones:
+measure at a smaller ``--seq`` there.
 
 Each method runs in fresh processes (one per rank, file:// rendezvous). Every rank reports its
 peak extra RSS during one step (high-water mark reset before it) and the median time of
@@ -111,6 +126,8 @@ def _measure(method: str, args) -> dict:
         tensor_model_parallel_size=args.tp, create_gloo_process_groups=args.distributed_optimizer
     )
     s, h, v = args.seq, args.hidden, args.vocab
+    bf16 = args.dtype == "bfloat16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
     layer_config = TransformerConfig(
         num_layers=1,
         hidden_size=h,
@@ -118,15 +135,23 @@ def _measure(method: str, args) -> dict:
         tensor_model_parallel_size=args.tp,
         use_cpu_initialization=True,
         perform_initialization=False,
+        **({"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}),
     )
     layer = ColumnParallelLinear(
         h, v, config=layer_config, init_method=None, bias=False, gather_output=False
     )
-    g = torch.Generator().manual_seed(ps.get_tensor_model_parallel_rank())
+    module = layer
+    if bf16:  # as Megatron-LM wraps a bf16 model (its parameters are bf16 already)
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(layer_config, layer)
+    # the weight from a seed of its own: drawn from the hidden states' seed, rank 0's first
+    # rows were its first hidden rows (scaled), a near one-hot softmax no model has
+    g = torch.Generator().manual_seed(1000 + ps.get_tensor_model_parallel_rank())
     with torch.no_grad():
         layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / h**0.5)
     g = torch.Generator().manual_seed(0)  # the same tokens on every rank
-    hidden = torch.randn(s, 1, h, generator=g).requires_grad_()
+    hidden = torch.randn(s, 1, h, generator=g).to(dtype).requires_grad_()
     labels = torch.randint(0, v, (1, s), generator=g)
     up = torch.randn(2, 1, s, generator=g)
     # the loss task's rollout data: old log-probs near the model's, advantages per token
@@ -142,7 +167,8 @@ def _measure(method: str, args) -> dict:
     ddp = opt = None
     norms: list[float] = []  # the head weight's gradient norm per optimizer step
     if args.distributed_optimizer:  # DDP's main_grad and hook; the weight moves to its buffer
-        ddp, opt = _distributed_optimizer(layer, layer_config)
+        ddp, opt = _distributed_optimizer(module, layer_config)
+        assert layer.weight.dtype == dtype and layer.weight.main_grad.dtype == torch.float32
     weight = layer.weight
     if args.main_grad and not args.distributed_optimizer:
         # what Megatron's DDP gives the parameter, and its backward hook
@@ -155,8 +181,13 @@ def _measure(method: str, args) -> dict:
         fused = args.main_grad or args.distributed_optimizer
         return megatron.main_grad_into(weight) if fused else None
 
+    def run_layer():
+        # Float16Module's bf16 logits as they are (Megatron-LM's loss takes them inside the
+        # model; its fp32 upcast of the outputs is for callers outside it)
+        return module(hidden, fp32_output=False) if bf16 else layer(hidden)
+
     def megatron_logprobs() -> None:
-        logits, _ = layer(hidden)  # [S, 1, V/tp]
+        logits, _ = run_layer()  # [S, 1, V/tp]
         ent = None
         if args.entropy:  # before vocab_parallel_cross_entropy, which turns its input into p
             full = gather_from_tensor_model_parallel_region(logits)
@@ -168,12 +199,15 @@ def _measure(method: str, args) -> dict:
         loss.backward()
 
     def megatron_loss() -> None:
-        logits, _ = layer(hidden)  # [S, 1, V/tp]
+        logits, _ = run_layer()  # [S, 1, V/tp]
         target = labels.transpose(0, 1).contiguous()
         ent = None
         if args.entropy:
-            ent = _VocabParallelEntropy.apply(logits, ps.get_tensor_model_parallel_group())
-            logits = logits.clone()  # vocab_parallel_cross_entropy writes its input
+            # verl's actor gets the logits in fp32 (Float16Module's upcast), then the entropy;
+            # vocab_parallel_cross_entropy writes its input, and only in fp32 is that the logits
+            z = logits.float()
+            ent = _VocabParallelEntropy.apply(z, ps.get_tensor_model_parallel_group())
+            logits = logits.clone() if logits.dtype == torch.float32 else logits
         logp = -vocab_parallel_cross_entropy(logits, target)  # [S, 1]
         loss = _grpo_loss(logp.transpose(0, 1), old, adv, ent)
         loss.backward()
@@ -184,7 +218,7 @@ def _measure(method: str, args) -> dict:
             tokens = seam.Tokens(x, labels, sequence_first=True)
             return fn(tokens, seam.Head(layer.weight if weight is None else weight))
 
-        return seam.run_as_forward(layer, head, lambda: layer(hidden))[1]
+        return seam.run_as_forward(layer, head, run_layer)[1]
 
     def logitless_logprobs() -> None:
         out = in_output_layer(
@@ -276,9 +310,10 @@ def _ddp_hook(weight):
     return hook
 
 
-def _distributed_optimizer(layer, config):
-    """megatron-core's DDP for the distributed optimizer, both overlaps, around ``layer``; its
-    ``DistributedOptimizer`` (Adam: the only one it takes)."""
+def _distributed_optimizer(module, config):
+    """megatron-core's DDP for the distributed optimizer, both overlaps, around ``module``; its
+    ``DistributedOptimizer`` (Adam: the only one it takes; in bf16, with fp32 main parameters,
+    as ``config.bf16`` makes Megatron-LM's)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -286,12 +321,17 @@ def _distributed_optimizer(layer, config):
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
         overlap_param_gather=True,
     )  # fmt: skip
-    ddp = DistributedDataParallel(config, ddp_config, module=layer)
+    ddp = DistributedDataParallel(config, ddp_config, module=module)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0,
-                        use_distributed_optimizer=True),
+                        use_distributed_optimizer=True, bf16=config.bf16,
+                        params_dtype=config.params_dtype),
         [ddp],
     )  # fmt: skip
+    if config.bf16:  # Adam steps fp32 copies of the bf16 weight's shard
+        inner = getattr(opt, "chained_optimizers", [opt])
+        mains = [p for o in inner for g in o.shard_fp32_from_float16_groups for p in g]
+        assert mains and all(p.dtype == torch.float32 for p in mains), "no fp32 main parameters"
     return ddp, opt
 
 
@@ -396,6 +436,13 @@ def main() -> None:
         help="--task loss, logitless: the fused policy loss (gradient in the forward pass, "
         "three matmuls) or the log-prob op then logitless.policy_loss (four matmuls)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the hidden states' and the output layer's dtype; bfloat16 as Megatron-LM runs a "
+        "bf16 model (Float16Module, fp32 main_grad and main parameters; see the docstring)",
+    )
     p.add_argument("--csv", default="bench-results/megatron_head.csv")
     args = p.parse_args()
     rows = {}
@@ -415,6 +462,8 @@ def main() -> None:
             "task": args.task,
             "main_grad": args.main_grad or args.distributed_optimizer,
             "loss_path": args.loss_path if args.task == "loss" else "",
+            "dtype": args.dtype,
+            "weight_seed": "1000+rank",
         }
         if args.distributed_optimizer:  # its columns, only in its rows (empty in the others)
             head = max(r["head_peak"] for r in res)
@@ -428,6 +477,7 @@ def main() -> None:
         how = args.task + (", composed" if composed else "")
         how += ", main_grad" if args.main_grad else ""
         how += ", distributed optimizer" if args.distributed_optimizer else ""
+        how += ", bf16" if args.dtype == "bfloat16" else ""
         peak = f"{r['peak_mb_per_rank']:.1f} MB"
         if args.distributed_optimizer:
             peak += f" ({r['peak_mb_per_rank_before_optimizer']:.1f} MB before the optimizer)"
