@@ -81,15 +81,17 @@ def _none(model: nn.Module) -> tuple[float | None, float]:
 class VisionLanguage(NamedTuple):
     """An audited vision-language class: what its forward does after ``lm_head`` (softcap,
     logit scale), its image / video arguments, whether its rope position ids are multimodal
-    (``[3, B, T]``), the check of its image inputs against ``input_ids``, and whether a row
+    (``[3, B, T]``), the check of its image inputs against ``input_ids``, whether a row
     may hold several packed documents (False where layers other than attention, a recurrent
-    state, would carry one document into the next)."""
+    state, would carry one document into the next), and, for an MoE class, the text-config
+    attribute its forward reads as the expert count of its router loss."""
 
     transform: Callable[[nn.Module], tuple[float | None, float]]
     inputs: frozenset[str]
     mrope: bool
     check: Callable[[nn.Module, torch.Tensor, torch.Tensor | None, Mapping[str, Any]], None]
     packing: bool = True
+    experts: str = "num_experts"
 
 
 def _count(input_ids: torch.Tensor, token_id: int, attention_mask: torch.Tensor | None) -> int:
@@ -340,7 +342,7 @@ AUDITED: dict[str, VisionLanguage] = {
     "Qwen3_5ForConditionalGeneration": _QWEN3_5,
     "Qwen3_5MoeForConditionalGeneration": _QWEN3_5,
     "Glm4vForConditionalGeneration": _GLM4V,
-    "Glm4vMoeForConditionalGeneration": _GLM4V,
+    "Glm4vMoeForConditionalGeneration": _GLM4V._replace(experts="num_local_experts"),
     "Gemma3ForConditionalGeneration": VisionLanguage(
         _none,
         frozenset({"pixel_values", "token_type_ids"}),
@@ -472,11 +474,6 @@ def check_backbone_inputs(
         spec.check(model, input_ids, mask, {**model_kwargs, "position_ids": position_ids})
 
 
-#: The text-config attribute an MoE vision-language class's forward reads as its expert count
-#: (``num_experts`` where not listed).
-_EXPERTS = {"Glm4vMoeForConditionalGeneration": "num_local_experts"}
-
-
 def moe_router(model: nn.Module) -> tuple[int, int, float]:
     """An MoE model's ``(num_experts, experts per token, router_aux_loss_coef)`` as its forward
     reads them: its own attributes for the text classes, its text config for the
@@ -485,7 +482,7 @@ def moe_router(model: nn.Module) -> tuple[int, int, float]:
     if type(model).__name__ in AUDITED:
         text = model.config.get_text_config()
         return (
-            int(getattr(text, _EXPERTS.get(type(model).__name__, "num_experts"))),
+            int(getattr(text, AUDITED[type(model).__name__].experts)),
             int(text.num_experts_per_tok),
             float(text.router_aux_loss_coef),
         )
