@@ -932,9 +932,9 @@ def test_kl_importance_weight_sequence_refused_under_context_parallelism():
     cfg = PolicyLossConfig(ratio_level="sequence", kl_coef=0.1, kl_importance_weight=True)
     lp, old, adv, mask = _inputs()
     # the check runs before any collective, so a stand-in group object is enough to reach it
-    from logitless.losses.checks import _Args, _local_checks
+    from logitless.losses.checks import LossArgs, _local_checks
 
-    args = _Args(lp, old, adv, mask, cfg, None, lp, None, None, None, None)
+    args = LossArgs(lp, old, adv, mask, cfg, None, lp)
     with pytest.raises(ValueError, match="kl_importance_weight"):
         _local_checks(args, object(), False, False)
 

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from .version import package_version
@@ -378,19 +379,11 @@ def _demo_configs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     modes = [False, True] if args.compare else [args.naive]
     n_seeds = getattr(args, "seeds", 3 if args.compare else 1)
     seeds = list(range(args.seed, args.seed + n_seeds))
+    # the flags that set a DemoConfig field are named as the field; seed and mode vary per run
+    flags = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
     try:
         configs = [
-            DemoConfig(
-                steps=args.steps,
-                naive=naive,
-                seed=seed,
-                device=args.device,
-                vocab=args.vocab,
-                prompts=args.prompts,
-                group=args.group,
-                lr=args.lr,
-                warmup=args.warmup,
-            )
+            DemoConfig(**{**flags, "seed": seed, "naive": naive})
             for seed in seeds
             for naive in modes
         ]

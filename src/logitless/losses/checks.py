@@ -129,20 +129,22 @@ def stats_key(config: PolicyLossConfig, logprobs: object, ids: object, rollout: 
     return collectives.signature(config, dims, rows, rollout is None)
 
 
-class _Args(NamedTuple):
-    """The arguments of one :func:`check_policy_loss` call."""
+class LossArgs(NamedTuple):
+    """The tensors and objects of one :func:`~logitless.policy_loss` call, as its caller got
+    them (unchecked): what :func:`check_policy_loss` checks. ``logprobs`` only lends its shape,
+    dtype and device (the fused loss passes a placeholder)."""
 
     logprobs: object
     old_logprobs: object
     advantages: object
     mask: object
-    config: object
-    document_ids: object
-    ref_logprobs: object
-    rollout_logprobs: object
-    entropy: object
-    normalizer: object
-    document_stats: object
+    config: object = None
+    document_ids: object = None
+    ref_logprobs: object = None
+    rollout_logprobs: object = None
+    entropy: object = None
+    normalizer: object = None
+    document_stats: object = None
     divergence: object = None
 
 
@@ -156,7 +158,7 @@ class _Local(NamedTuple):
     key: int
 
 
-def _check_tensors(a: _Args, grouped: bool, for_stats: bool) -> torch.Size:
+def _check_tensors(a: LossArgs, grouped: bool, for_stats: bool) -> torch.Size:
     """Types, shapes, dtypes and what the config requires; returns the log-probs' shape."""
     config = check_config(a.config)
     lp = a.logprobs
@@ -227,7 +229,7 @@ def _check_normalizer(normalizer: object) -> None:
     )
 
 
-def _local_checks(a: _Args, group: object | None, for_stats: bool, capturable: bool) -> _Local:
+def _local_checks(a: LossArgs, group: object | None, for_stats: bool, capturable: bool) -> _Local:
     """Every check that needs no collective; ``ValueError`` on bad input (the value checks:
     device-side assertions when ``capturable``)."""
     grouped = group is not None
@@ -270,7 +272,7 @@ def _logprob_counters(t: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor
     ]
 
 
-def _advantage_counter(a: _Args, adv_len, valid, ids) -> torch.Tensor:
+def _advantage_counter(a: LossArgs, adv_len, valid, ids) -> torch.Tensor:
     """Non-finite advantages that reach the loss: at valid tokens (per token), or of the
     documents with a valid token (per sequence: a NaN reward of a sample the trainer masked
     out entirely is not an error)."""
@@ -295,7 +297,7 @@ def _normalizer_counters(normalizer, valid, ids) -> list[torch.Tensor]:
     return [valid.sum(), first.sum(), *norm]
 
 
-def _read_values(a: _Args, adv_len: int | None) -> Segments:
+def _read_values(a: LossArgs, adv_len: int | None) -> Segments:
     """Every check on values, read on the host in one transfer (one sync); returns the
     segments.
 
@@ -343,7 +345,7 @@ def _read_values(a: _Args, adv_len: int | None) -> Segments:
     return seg
 
 
-def _id_bound(a: _Args, adv_len: int | None, group: object | None) -> int:
+def _id_bound(a: LossArgs, adv_len: int | None, group: object | None) -> int:
     """The capturable mode's length of per-document buffers, from shapes only: the size of
     the given document statistics, else the number of per-sequence advantages, else the
     tokens of the whole stream (this shard's times the context group's size: the ranks'
@@ -357,7 +359,7 @@ def _id_bound(a: _Args, adv_len: int | None, group: object | None) -> int:
     return a.logprobs.numel() * ranks
 
 
-def _assert_values(a: _Args, adv_len: int | None, bound: int) -> Segments:
+def _assert_values(a: LossArgs, adv_len: int | None, bound: int) -> Segments:
     """The capturable mode's :func:`_read_values`: the same checks as device-side assertions
     (a ``RuntimeError`` on CPU, a device-side assert on CUDA), with the messages' constant
     part; document ids are asserted below ``bound`` (:func:`_id_bound`), the length of the
@@ -451,7 +453,7 @@ def _check_stats_size(stats: DocumentStats, seg: Segments) -> None:
         )
 
 
-def _agree(group, error, local: _Local | None, a: _Args, for_stats: bool, what: str):
+def _agree(group, error, local: _Local | None, a: LossArgs, for_stats: bool, what: str):
     """The context group's agreement: one ``all_reduce`` MAX of [failure, document count,
     call fingerprint twice, advantage count]. Returns (the group's document count, the
     smallest per-sequence advantage count or None)."""
@@ -490,30 +492,19 @@ def _agree(group, error, local: _Local | None, a: _Args, for_stats: bool, what: 
 
 
 def check_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
+    a: LossArgs,
     *,
-    config: PolicyLossConfig | None,
-    document_ids: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    normalizer: LossNormalizer | None = None,
     context_group: object | None = None,
-    document_stats: object | None = None,
     for_stats: bool = False,
     what: str = "policy_loss",
     capturable: bool = False,
-    divergence: torch.Tensor | None = None,
 ) -> LossCall:
-    """Check a :func:`~logitless.policy_loss` call (same arguments) and return its layout.
+    """Check a :func:`~logitless.policy_loss` call (its arguments in ``a``, the rest here) and
+    return its layout.
 
-    Raises ``ValueError`` naming the argument on any bad input, before any work. ``logprobs``
-    only contributes its shape, dtype and device here: callers that have no log-probs yet (the
-    fused loss) pass a placeholder. ``for_stats``: the checks of :func:`document_stats`
-    (``ref_logprobs`` / ``entropy`` not required).
+    Raises ``ValueError`` naming the argument on any bad input, before any work.
+    ``for_stats``: the checks of :func:`document_stats` (``ref_logprobs`` / ``entropy`` not
+    required); ``what``: the function named in a message about the ranks' agreement.
 
     With ``context_group`` this is a collective call: one ``all_reduce`` MAX of 5 int64
     (failure flag, document count, call fingerprint twice, advantage count), so a bad input on
@@ -525,10 +516,6 @@ def check_policy_loss(
     """
     group = collectives.check_group(context_group, "context_group")
     check_flag("capturable", capturable)
-    a = _Args(
-        logprobs, old_logprobs, advantages, mask, config, document_ids, ref_logprobs,
-        rollout_logprobs, entropy, normalizer, document_stats, divergence,
-    )  # fmt: skip
     if group is None or capturable:
         local = _local_checks(a, group, for_stats, capturable)
         size, smallest = local.seg.size, local.adv_len
@@ -537,22 +524,22 @@ def check_policy_loss(
             lambda: _local_checks(a, group, for_stats, False),
             lambda loc, err: _agree(group, err, loc, a, for_stats, what),
         )
-    if document_stats is not None:
-        size = document_stats.size
-    _check_advantage_count(advantages, local.adv_len, smallest, size, group is not None)
+    if a.document_stats is not None:
+        size = a.document_stats.size
+    _check_advantage_count(a.advantages, local.adv_len, smallest, size, group is not None)
     seg, adv_len, norm_length, key = local
     return LossCall(
-        config=config,
-        old_logprobs=old_logprobs,
-        advantages=advantages,
-        mask=mask,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        normalizer=normalizer,
+        config=a.config,
+        old_logprobs=a.old_logprobs,
+        advantages=a.advantages,
+        mask=a.mask,
+        ref_logprobs=a.ref_logprobs,
+        rollout_logprobs=a.rollout_logprobs,
+        normalizer=a.normalizer,
         seg=Segments(seg.ids, size),
         adv_len=adv_len,
         norm_length=norm_length,
         key=key,
         group=group,
-        divergence=divergence,
+        divergence=a.divergence,
     )

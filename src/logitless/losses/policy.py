@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .call import DocumentStats, LossCall
-from .checks import check_policy_loss
+from .checks import LossArgs, check_policy_loss
 from .config import PolicyLossConfig
 from .kl import kl_k3
 from .metrics import extreme, finish_metrics, weighted_mean
@@ -118,22 +118,11 @@ def policy_loss(
     >>> loss
     tensor(-1., grad_fn=<SumBackward0>)
     """  # noqa: E501
-    call = check_policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        config=config,
-        document_ids=document_ids,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        entropy=entropy,
-        normalizer=normalizer,
-        context_group=context_group,
-        document_stats=document_stats,
-        capturable=capturable,
-        divergence=divergence,
-    )
+    args = LossArgs(
+        logprobs, old_logprobs, advantages, mask, config, document_ids, ref_logprobs,
+        rollout_logprobs, entropy, normalizer, document_stats, divergence,
+    )  # fmt: skip
+    call = check_policy_loss(args, context_group=context_group, capturable=capturable)
     return compute_policy_loss(call, logprobs, entropy, document_stats)
 
 

@@ -13,7 +13,7 @@ import torch
 from ..contract import collectives
 from ._segments import sum_per_document
 from .call import DocumentStats, LossCall
-from .checks import check_policy_loss
+from .checks import LossArgs, check_policy_loss
 from .config import PolicyLossConfig
 from .surrogates import gmpo_clipped_log_ratio
 from .tokens import clean
@@ -80,17 +80,12 @@ def document_stats(
     Returns:
         A :class:`DocumentStats`.
     """
-    call = check_policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        config=config,
-        document_ids=document_ids,
+    args = LossArgs(
+        logprobs, old_logprobs, advantages, mask, config, document_ids,
         rollout_logprobs=rollout_logprobs,
-        context_group=context_group,
-        for_stats=True,
-        what="document_stats",
+    )  # fmt: skip
+    call = check_policy_loss(
+        args, context_group=context_group, for_stats=True, what="document_stats",
         capturable=capturable,
-    )
+    )  # fmt: skip
     return compute_document_stats(call, logprobs)

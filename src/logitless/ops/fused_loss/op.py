@@ -30,7 +30,7 @@ from ...contract.options import Backend, HeadOptions, SamplerOptions, WeightGrad
 from ...contract.vocab import VocabParallel
 from ...losses import LossNormalizer, PolicyLossConfig
 from ...losses.call import LossCall
-from ...losses.checks import check_policy_loss
+from ...losses.checks import LossArgs, check_policy_loss
 from ...sampling import SamplingMask
 from ...types import TeacherHead
 from ..divergence.op import linear_divergence
@@ -253,15 +253,11 @@ def check_loss_of_head(
     like = torch.zeros(call.batch_shape, device=call.labels.device)
     config = loss_inputs.get("config")
     with_entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
-    return check_policy_loss(
-        like,
-        old_logprobs,
-        advantages,
-        mask,
-        entropy=like if with_entropy else None,
-        capturable=call.capturable,
-        **loss_inputs,
+    group = loss_inputs.pop("context_group", None)
+    args = LossArgs(
+        like, old_logprobs, advantages, mask, entropy=like if with_entropy else None, **loss_inputs
     )
+    return check_policy_loss(args, context_group=group, capturable=call.capturable)
 
 
 def fused_loss_of_call(
