@@ -103,3 +103,37 @@ def test_megatron_head_distributed_optimizer_runs(tmp_path, dtype):
     assert lines[0].endswith(",distributed_optimizer,peak_mb_per_rank_before_optimizer"), lines
     assert len(lines) == 3 and all(",True," in line for line in lines[1:]), lines
     assert all(f",{dtype},1000+rank," in line for line in lines[1:]), lines
+
+
+def _gpu_sh(tmp_path: Path, **env: str) -> str:
+    """Run ``benchmarks/gpu.sh`` into ``tmp_path`` with ``env``; return its log."""
+    import os
+
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return (tmp_path / "gpu.log").read_text()
+
+
+def test_gpu_script_keeps_to_its_budget(tmp_path):
+    """A lease is short: with GPU_BUDGET_S, a stage that would start with under 30 s of the
+    budget left is skipped and logged, not run (here every stage, on a 1 s budget)."""
+    log = _gpu_sh(tmp_path, GPU_BUDGET_S="1")
+    script = (ROOT / "benchmarks" / "gpu.sh").read_text()
+    stages = [line.split()[1] for line in script.splitlines() if line.startswith("stage ")]
+    assert {"cuda-tests", "bench-bf16-16k", "bench-bf16-64k", "cpu-suite"} <= set(stages)
+    skipped = [line.split()[1].rstrip(":") for line in log.splitlines() if "skipped" in line]
+    assert skipped == stages, log
+    assert "exit" not in log, log  # nothing ran
+
+
+def test_gpu_script_runs_the_named_stages_only(tmp_path):
+    """STAGES picks stages; the rest are passed over without a line."""
+    log = _gpu_sh(tmp_path, STAGES="none-such")
+    assert log == "", log
