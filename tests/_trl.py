@@ -63,9 +63,12 @@ def make_tokenizer():
     )
 
 
-def save_model(path, *, tied: bool = False, moe: bool = False, width: int = 16) -> str:
-    """A tiny random Qwen2 (or Qwen3-MoE: 4 experts, 2 per token, router loss on) saved at
-    ``path``; its tokenizer registered in memory. Returns ``str(path)``."""
+def save_model(
+    path, *, tied: bool = False, moe: bool = False, hybrid: bool = False, width: int = 16
+) -> str:
+    """A tiny random Qwen2 (or Qwen3-MoE: 4 experts, 2 per token, router loss on; or the
+    Qwen3.5 text model: a Gated DeltaNet layer, then an attention layer) saved at ``path``; its
+    tokenizer registered in memory. Returns ``str(path)``."""
     small = dict(
         vocab_size=V, hidden_size=width, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=EOS,
@@ -75,6 +78,12 @@ def save_model(path, *, tied: bool = False, moe: bool = False, width: int = 16) 
         config = transformers.Qwen3MoeConfig(
             **small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
             output_router_logits=True, router_aux_loss_coef=0.02,
+        )  # fmt: skip
+    elif hybrid:
+        config = transformers.Qwen3_5TextConfig(
+            **small, head_dim=8, layer_types=["linear_attention", "full_attention"],
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=2,
         )  # fmt: skip
     else:
         config = transformers.Qwen2Config(**small)

@@ -71,12 +71,20 @@ def _config(name: str):
         "cohere": lambda: t.CohereConfig(**small, logit_scale=0.5),
         "granite": lambda: t.GraniteConfig(**small, logits_scaling=2.5),
         "cohere2": lambda: t.Cohere2Config(**small, logit_scale=0.5),
+        "qwen3_5_text": lambda: t.Qwen3_5TextConfig(**small, **_HYBRID),
         **{moe: (lambda moe=moe: _moe_config(moe, small)) for moe in MOE_MODELS},
     }[name]()
 
 
 # mixture-of-experts models: 4 experts, 2 per token, every layer sparse
-MOE_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next")
+# the hybrid linear-attention models (Qwen3.5, Qwen3-Next): a Gated DeltaNet layer, then an
+# attention layer; one document per row (a packed row is refused: test_hf_vlm.py and below)
+RECURRENT = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+_HYBRID = dict(
+    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+)  # fmt: skip
 
 
 def _moe_config(name: str, small: dict, **overrides):
@@ -87,6 +95,12 @@ def _moe_config(name: str, small: dict, **overrides):
     moe = dict(num_experts=4, moe_intermediate_size=16, decoder_sparse_step=1, **experts)
     if name == "qwen2_moe":
         return t.Qwen2MoeConfig(**small, shared_expert_intermediate_size=24, **moe)
+    if name in RECURRENT:  # a shared expert beside the routed ones
+        hybrid = dict(**small, **_HYBRID, **moe, shared_expert_intermediate_size=16)
+        if name == "qwen3_next":
+            return t.Qwen3NextConfig(**hybrid)
+        hybrid.pop("decoder_sparse_step")  # every Qwen3.5-MoE layer is sparse
+        return t.Qwen3_5MoeTextConfig(**hybrid)
     return t.Qwen3MoeConfig(**small, **moe)
 
 
@@ -107,6 +121,9 @@ ALL_MODELS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 # the full matrix (dtypes x layouts x losses) runs on these
 MAIN_MODELS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
@@ -797,3 +814,35 @@ def test_unsupported_models_are_refused():
     model.config.final_logit_softcapping = -1.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         hf.causal_lm_head(model)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_hybrid_linear_attention_refuses_packed_rows(name):
+    """Qwen3.5's and Qwen3-Next's Gated DeltaNet layers run along the whole row and take no
+    document boundaries in the HF forward, so a packed row is refused (position ids or
+    cu_seqlens) before the backbone runs. The refusal is not overcautious: the model's own
+    logits of a packed document differ from the same document alone; with an attention-only
+    model they are equal."""
+    model = _model(name)
+    calls: list = []
+    model.model.register_forward_pre_hook(lambda *_, c=calls: c.append(1))
+    lay, cu = _layout("packed", seed=4), _layout("cu_seqlens", seed=4)
+    for given in (lay, cu):
+        with pytest.raises(ValueError, match="linear-attention layers"):
+            hf.causal_lm_logprobs(model, given["ids"], **given["kw"])
+    assert not calls, "the backbone ran before the refusal"
+    row, pos = lay["ids"][:1], lay["kw"]["position_ids"][:1]  # documents of 5, 4, 3 tokens
+    for m, differs in ((model, True), (_model("qwen3"), False)):
+        with torch.no_grad():
+            packed = m(row, position_ids=pos, use_cache=False).logits[:, 5:9]
+            alone = m(row[:, 5:9], use_cache=False).logits
+        assert torch.allclose(packed, alone, atol=1e-4) != differs, type(m).__name__
+
+
+@pytest.mark.parametrize("layout", ["left_pad", "right_pad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hybrid_linear_attention_one_document_per_row(dtype, layout):
+    """Qwen3.5's text model (what AutoModelForCausalLM loads from a Qwen3.5 checkpoint) on
+    padded rows, in both dtypes: log-probs, entropy and gradients as its own logits give."""
+    lay = _layout(layout, seed=2)
+    _check_logprobs(_model("qwen3_5_text", dtype), lay, temperature=0.7)

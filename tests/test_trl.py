@@ -636,3 +636,30 @@ def test_moe_loss_and_train_match_trl(moe_dir, tmp_path):
     stock_run = _train(trl.GRPOTrainer, moe_dir, tmp_path / "a")
     ours_run = _train(LogitlessGRPOTrainer, moe_dir, tmp_path / "b")
     assert assert_same_run(*stock_run, *ours_run, initial(moe_dir)) > 0
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return save_model(tmp_path_factory.mktemp("tiny_qwen3_5_text"), hybrid=True)
+
+
+def test_qwen3_5_text_model_loss_and_train_match_trl(hybrid_dir, tmp_path):
+    """A Qwen3.5 checkpoint as TRL loads it (AutoModelForCausalLM: the text model, Gated
+    DeltaNet and attention layers; one completion per padded row): the loss and every
+    gradient equal TRL's; then a short train()."""
+    args = grpo_args(tmp_path)
+    ours = grpo_trainer(LogitlessGRPOTrainer, hybrid_dir, args)
+    stock = grpo_trainer(trl.GRPOTrainer, hybrid_dir, args)
+    assert type(stock.model).__name__ == "Qwen3_5ForCausalLM"
+    inputs = _batch(stock, ("off_policy",))
+    for t in (ours, stock):
+        t.current_gradient_accumulation_steps = 2
+        t.model.train()
+    a, b = _loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+    assert set(a[1]) == set(b[1]) and any("linear_attn" in k for k in b[1])
+    for k in b[1]:
+        torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
+    stock_run = _train(trl.GRPOTrainer, hybrid_dir, tmp_path / "a")
+    ours_run = _train(LogitlessGRPOTrainer, hybrid_dir, tmp_path / "b")
+    assert assert_same_run(*stock_run, *ours_run, initial(hybrid_dir)) > 0

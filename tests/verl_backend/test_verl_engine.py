@@ -259,3 +259,39 @@ def test_ulysses_two_ranks_under_fsdp2_equal_one_process(ulysses):
     # the head run inside lm_head's own unit too: the same rows, bit for bit
     ours = ("logitless", "logitless, lm_head unit")
     check_ranks_equal_one_process(ranks, one, unfused, truth, grads, ours)
+
+
+def _tiny_qwen3_5_text() -> transformers.PreTrainedModel:
+    """Qwen3.5's text model (a Gated DeltaNet layer, then an attention layer), from its config."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=tiny_model().config.vocab_size, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.6)
+    return model
+
+
+def test_qwen3_5_text_model_one_sequence_per_row():
+    """The Qwen3.5 text model (hybrid linear attention): verl 0.9.1 hands ``cu_seqlens`` to the
+    vision-language classes' linear-attention layers only, so a remove-padding micro-batch of
+    several sequences is refused by name; the padded layout (one sequence per row) is held to
+    the unfused path against float64, gradients included."""
+    model = _tiny_qwen3_5_text()
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        _run(model, "logitless", SEQS)
+    g, e, keep = _upstream(SEQS, zero_last=True)
+    kw = dict(rmpad=False, g=g, e=e)
+    ours = _run(model, "logitless", SEQS, **kw)
+    unfused = _run(model, None, SEQS, **kw)
+    truth = _run(model, None, SEQS, dtype=torch.float64, **kw)
+    for i, name in enumerate(("log_probs", "entropy")):
+        _check(name, ours[i], {"unfused": unfused[i]}, truth[i], keep)
+    for n in truth[2]:
+        _check(f"grad {n}", ours[2][n], {"unfused": unfused[2][n]}, truth[2][n])

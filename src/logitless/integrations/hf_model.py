@@ -111,6 +111,11 @@ _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "Qwen2MoeForCausalLM": _no_transform,
     "Qwen3MoeForCausalLM": _no_transform,
     "MixtralForCausalLM": _no_transform,
+    # the hybrid linear-attention models (transformers 5.24): one document per row
+    # (hf_vlm.RECURRENT_ROWS); what AutoModelForCausalLM loads from a Qwen3.5 checkpoint
+    "Qwen3_5ForCausalLM": _no_transform,
+    "Qwen3_5MoeForCausalLM": _no_transform,
+    "Qwen3NextForCausalLM": _no_transform,
 }
 
 # The vision-language classes (read and tested like the text ones; tests/test_hf_vlm.py):

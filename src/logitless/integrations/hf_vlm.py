@@ -81,16 +81,15 @@ def _none(model: nn.Module) -> tuple[float | None, float]:
 class VisionLanguage(NamedTuple):
     """An audited vision-language class: what its forward does after ``lm_head`` (softcap,
     logit scale), its image / video arguments, whether its rope position ids are multimodal
-    (``[3, B, T]``), the check of its image inputs against ``input_ids``, whether a row
-    may hold several packed documents (False where layers other than attention, a recurrent
-    state, would carry one document into the next), and, for an MoE class, the text-config
-    attribute its forward reads as the expert count of its router loss."""
+    (``[3, B, T]``), the check of its image inputs against ``input_ids``, and, for an MoE
+    class, the text-config attribute its forward reads as the expert count of its router
+    loss. (Whether a row may hold several packed documents is :data:`RECURRENT_ROWS`', for
+    text and vision-language classes alike.)"""
 
     transform: Callable[[nn.Module], tuple[float | None, float]]
     inputs: frozenset[str]
     mrope: bool
     check: Callable[[nn.Module, torch.Tensor, torch.Tensor | None, Mapping[str, Any]], None]
-    packing: bool = True
     experts: str = "num_experts"
 
 
@@ -329,7 +328,6 @@ _QWEN_INPUTS = frozenset(
 _QWEN = VisionLanguage(_none, _QWEN_INPUTS, True, _check_qwen)
 _QWEN3 = _QWEN._replace(check=functools.partial(_check_qwen, frames=True))
 _GLM4V = _QWEN._replace(check=functools.partial(_check_qwen, frames=True, shared=True))
-_QWEN3_5 = _QWEN3._replace(packing=False)
 
 #: Audited vision-language class -> what its forward does and takes (see the module doc).
 AUDITED: dict[str, VisionLanguage] = {
@@ -339,8 +337,8 @@ AUDITED: dict[str, VisionLanguage] = {
     ),
     "Qwen3VLForConditionalGeneration": _QWEN3,
     "Qwen3VLMoeForConditionalGeneration": _QWEN3,
-    "Qwen3_5ForConditionalGeneration": _QWEN3_5,
-    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5,
+    "Qwen3_5ForConditionalGeneration": _QWEN3,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3,
     "Glm4vForConditionalGeneration": _GLM4V,
     "Glm4vMoeForConditionalGeneration": _GLM4V._replace(experts="num_local_experts"),
     "Gemma3ForConditionalGeneration": VisionLanguage(
@@ -435,6 +433,26 @@ def _check_one_document_per_row(
         )
 
 
+#: The audited classes (text and vision-language) whose language model carries a recurrent
+#: state along the whole row: Gated DeltaNet linear-attention layers (a causal convolution and
+#: a recurrence) between the attention layers, which take no document boundaries in the HF
+#: forward (transformers 5.24: the Qwen3.5 and Qwen3-Next text models hand the layers no
+#: ``cu_seqlens``; the attention layers alone keep packed documents apart). A row must hold one
+#: document; verl's forward, which hands those layers the row's ``cu_seqlens``, is the exception
+#: (``check_backbone_inputs(boundaries=True)``).
+RECURRENT_ROWS: frozenset[str] = frozenset({
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+})  # fmt: skip
+
+
+def _recurrent_rows(model: nn.Module) -> bool:
+    return any(c.__name__ in RECURRENT_ROWS for c in type(model).__mro__)
+
+
 def audited(model: nn.Module) -> VisionLanguage | None:
     """The :data:`AUDITED` entry of ``model``'s class (or of a base of it); None for a text
     model."""
@@ -467,10 +485,10 @@ def check_backbone_inputs(
             "alone" + ("" if spec is None else f" ({name} takes {', '.join(sorted(spec.inputs))})")
         )
     _check_position_ids(name, spec, position_ids, input_ids)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+    if not boundaries and _recurrent_rows(model):
+        _check_one_document_per_row(name, position_ids, mask)
     if spec is not None:
-        mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-        if not spec.packing and not boundaries:
-            _check_one_document_per_row(name, position_ids, mask)
         spec.check(model, input_ids, mask, {**model_kwargs, "position_ids": position_ids})
 
 
