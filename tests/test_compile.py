@@ -252,3 +252,43 @@ def test_capturable_entry_point_compiles_whole(build, backend, seeds, torch_empt
             assert_no_worse_than_reference(
                 a.reshape(-1), r.reshape(-1), t.reshape(-1), name, floor=floor if i == 0 else FLOOR
             )
+
+
+def test_no_frame_introspection_dynamo_cannot_trace_on_older_torch():
+    """torch 2.11 and 2.12 (the package accepts torch >= 2.11; the lent GPU machine runs
+    2.11) cannot trace ``locals()`` or an argument-less ``vars()``: an entry point that reads
+    its options that way fails to compile there, though it compiles on the torch of CI. The
+    entry points bind their arguments with ``contract.options.given_arguments`` instead."""
+    import ast
+    from pathlib import Path
+
+    src = Path(logitless.__file__).parent
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("locals", "vars")
+                and not node.args
+            ):
+                found.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert found == []
+
+
+def test_given_arguments_binds_what_locals_gave():
+    """The decorator hands the function every argument by name, defaults filled, and shows
+    the function's own signature (no ``given``)."""
+    import inspect
+
+    from logitless.contract.options import given_arguments
+
+    @given_arguments
+    def f(given, /, a, b=2, *, c=3, **rest):
+        return dict(given)
+
+    assert f(1, c=5, d=6) == {"a": 1, "b": 2, "c": 5, "rest": {"d": 6}}
+    assert "given" not in inspect.signature(f).parameters
+    assert "given" not in inspect.signature(logitless.linear_logprobs).parameters
+    with pytest.raises(TypeError):
+        f()

@@ -133,6 +133,28 @@ def _loss_and_grads(trainer, inputs):
     return loss.detach(), grads, metrics
 
 
+def _same_off_policy_step(ours, stock):
+    """Both trainers' ``(loss, grads, metrics)`` on one off-policy batch of stock's (two
+    accumulation steps, training mode); the losses and every gradient must be equal."""
+    inputs = _batch(stock, ("off_policy",))
+    for t in (ours, stock):
+        t.current_gradient_accumulation_steps = 2
+        t.model.train()
+    a, b = _loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+    assert set(a[1]) == set(b[1])
+    for k in b[1]:
+        torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
+    return a, b
+
+
+def _same_train_run(model_dir, tmp_path) -> None:
+    """A short ``train()`` of stock TRL and of logitless: the same run (tests/_trl.py)."""
+    stock_run = _train(trl.GRPOTrainer, model_dir, tmp_path / "a")
+    ours_run = _train(LogitlessGRPOTrainer, model_dir, tmp_path / "b")
+    assert assert_same_run(*stock_run, *ours_run, initial(model_dir)) > 0
+
+
 # name -> (GRPOConfig options, trainer attributes set after construction, batch tweaks)
 # tweaks: "off_policy" (stale old log-probs, as with num_iterations > 1), "tools" (a tool mask),
 # "eval" (eval mode: no accumulation scaling)
@@ -489,15 +511,8 @@ def test_mixin_on_a_user_subclass(model_dir, tmp_path):
     ours = grpo_trainer(MyLogitlessTrainer, model_dir, args)
     stock = grpo_trainer(trl.GRPOTrainer, model_dir, args)
     assert ours.marker() == "mine"
-    inputs = _batch(stock, ("off_policy",))
-    for t in (ours, stock):
-        t.current_gradient_accumulation_steps = 2
-        t.model.train()
-    a, b = _loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs)
-    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+    a, _ = _same_off_policy_step(ours, stock)
     assert math.isfinite(float(a[0]))
-    for k in b[1]:
-        torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6)
 
 
 def test_no_full_logits_on_the_adapter_path(model_dir, tmp_path, monkeypatch):
@@ -623,19 +638,10 @@ def test_moe_loss_and_train_match_trl(moe_dir, tmp_path):
     ours = grpo_trainer(LogitlessGRPOTrainer, moe_dir, args)
     stock = grpo_trainer(trl.GRPOTrainer, moe_dir, args)
     assert stock.aux_loss_enabled and stock.router_aux_loss_coef == 0.02
-    inputs = _batch(stock, ("off_policy",))
-    for t in (ours, stock):
-        t.current_gradient_accumulation_steps = 2
-        t.model.train()
-    a, b = _loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs)
-    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+    a, b = _same_off_policy_step(ours, stock)
     assert a[2]["aux_loss"] == pytest.approx(b[2]["aux_loss"], rel=1e-5)
-    assert set(a[1]) == set(b[1]) and any("gate" in k for k in b[1])
-    for k in b[1]:
-        torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
-    stock_run = _train(trl.GRPOTrainer, moe_dir, tmp_path / "a")
-    ours_run = _train(LogitlessGRPOTrainer, moe_dir, tmp_path / "b")
-    assert assert_same_run(*stock_run, *ours_run, initial(moe_dir)) > 0
+    assert any("gate" in k for k in b[1])
+    _same_train_run(moe_dir, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -651,15 +657,6 @@ def test_qwen3_5_text_model_loss_and_train_match_trl(hybrid_dir, tmp_path):
     ours = grpo_trainer(LogitlessGRPOTrainer, hybrid_dir, args)
     stock = grpo_trainer(trl.GRPOTrainer, hybrid_dir, args)
     assert type(stock.model).__name__ == "Qwen3_5ForCausalLM"
-    inputs = _batch(stock, ("off_policy",))
-    for t in (ours, stock):
-        t.current_gradient_accumulation_steps = 2
-        t.model.train()
-    a, b = _loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs)
-    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
-    assert set(a[1]) == set(b[1]) and any("linear_attn" in k for k in b[1])
-    for k in b[1]:
-        torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
-    stock_run = _train(trl.GRPOTrainer, hybrid_dir, tmp_path / "a")
-    ours_run = _train(LogitlessGRPOTrainer, hybrid_dir, tmp_path / "b")
-    assert assert_same_run(*stock_run, *ours_run, initial(hybrid_dir)) > 0
+    a, b = _same_off_policy_step(ours, stock)
+    assert any("linear_attn" in k for k in b[1])
+    _same_train_run(hybrid_dir, tmp_path)

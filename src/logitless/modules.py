@@ -91,7 +91,7 @@ class LinearLogprobs(nn.Module):
             labels,
             bias,
             self.options.replace(temperature=temperature),
-            self.sampler.for_call(locals()),
+            self.sampler.for_call(sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p),
         )
 
     @property
@@ -309,7 +309,7 @@ class LogprobHead(_SharedHeadWeight):
             labels,
             bias,
             self.options.replace(temperature=temperature),
-            self.sampler.for_call(locals()),
+            self.sampler.for_call(sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p),
         )
         # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
         # output that is a view would drop it (torch warns about views). [N]-sized copies.
@@ -425,7 +425,7 @@ class PolicyLossHead(_SharedHeadWeight):
             labels,
             bias,
             self.options.replace(temperature=temperature),
-            self.sampler.for_call(locals()),
+            self.sampler.for_call(sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p),
             old_logprobs,
             advantages,
             config=self.config,

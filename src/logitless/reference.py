@@ -10,11 +10,14 @@ swap one for the other.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from .contract.divergence import DivergenceOptions, TeacherTopK, check_divergence_call
 from .contract.head import check_head_call
-from .contract.options import HeadOptions, SamplerOptions
+from .contract.options import HeadOptions, SamplerOptions, given_arguments
 from .ops.divergence.naive import naive_divergence
 from .ops.logprobs.naive import full_logits, naive_logprobs
 from .ops.replay.naive import kept_set, masked_logprobs
@@ -24,7 +27,10 @@ from .types import Divergence, LogProbs
 __all__ = ["kept_set", "linear_divergence", "linear_logprobs"]
 
 
+@given_arguments
 def linear_logprobs(
+    given: Mapping[str, Any],
+    /,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -62,7 +68,6 @@ def linear_logprobs(
     ``-inf`` before the log-softmax (a masked log-softmax; :func:`kept_set` builds ``K`` as a
     ``[N, V]`` mask from the full logits), and the result is a ``ReplayLogProbs``.
     """
-    given = locals()
     options = HeadOptions.pick(given).replace(backend="torch")
     call = check_head_call(hidden, weight, labels, bias, options, SamplerOptions.pick(given))
     logits = full_logits(call)  # [N, V]
@@ -71,7 +76,10 @@ def linear_logprobs(
     return naive_logprobs(call, logits)
 
 
+@given_arguments
 def linear_divergence(
+    given: Mapping[str, Any],
+    /,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -106,7 +114,6 @@ def linear_divergence(
     With ``teacher_topk`` the same divergence over the teacher's ids plus the tail bucket. Same
     checks as the op; ``chunk_size`` is accepted and ignored.
     """
-    given = locals()
     teacher = (teacher_hidden, teacher_weight, teacher_bias)
     options = HeadOptions.pick(given).replace(backend="torch")
     div = DivergenceOptions.pick(given)

@@ -11,10 +11,12 @@ sampling mask, per-token sampler parameters) are checked with the call's tensors
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypedDict
+from typing import Any, Concatenate, Literal, ParamSpec, TypedDict, TypeVar
 
 import torch
 
@@ -28,6 +30,33 @@ from .sampling import SamplingMask
 from .vocab import VocabParallel
 
 Backend = Literal["auto", "triton", "torch"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def given_arguments(
+    fn: Callable[Concatenate[Mapping[str, Any], _P], _R],
+) -> Callable[_P, _R]:
+    """A public entry point that reads its options by name: ``fn(given, /, ...)`` is called
+    with ``given``, every argument of the call by parameter name (defaults filled in), before
+    its own arguments; the function it returns has ``fn``'s signature without ``given``.
+
+    This is what :meth:`HeadOptions.pick` and its kin read. It replaces ``locals()``, which
+    ``torch.compile`` cannot trace before torch 2.13 (``Signature.bind`` it can), so the entry
+    points compile whole on every supported torch.
+    """
+    signature = inspect.signature(fn)
+    public = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        bound = public.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return fn(bound.arguments, *args, **kwargs)
+
+    call.__signature__ = public  # type: ignore[attr-defined]
+    return call
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,8 +170,9 @@ class HeadOptions:
 
     @classmethod
     def pick(cls, values: Mapping[str, object]) -> HeadOptions:
-        """The options among ``values`` (a public function's ``locals()``: its signature
-        declares them under these names), the others left at their defaults."""
+        """The options among ``values`` (a public function's arguments by name,
+        :func:`given_arguments`: its signature declares them under these names), the others
+        left at their defaults."""
         return _pick(cls, values)
 
     def replace(self, **changes: object) -> HeadOptions:
@@ -213,19 +243,19 @@ class SamplerOptions:
         """Whether a kept set is given (a mask) or replayed (a sampler parameter)."""
         return any(v is not None for v in (self.sampling_mask, self.top_k, self.top_p, self.min_p))
 
-    def for_call(self, given: Mapping[str, object]) -> SamplerOptions:
-        """The options of one call of a module that stores these; ``given``: the call's
-        arguments (its ``locals()``), of which ``sampling_mask``, ``top_k``, ``top_p`` and
-        ``min_p`` are read (None: not given). A per-call ``sampling_mask`` replaces the stored
-        parameters, a per-call ``top_k`` / ``top_p`` / ``min_p`` overrides its own;
-        ``with_kept_mass`` applies when the call replays."""
-        mask = given.get("sampling_mask")
-        if mask is not None:
-            return SamplerOptions(sampling_mask=mask, with_kept_mass=self.with_kept_mass)
+    def for_call(self, sampling_mask: object = None, **given: object) -> SamplerOptions:
+        """The options of one call of a module that stores these; the call's own
+        ``sampling_mask``, ``top_k``, ``top_p`` and ``min_p`` (None: not given). A per-call
+        ``sampling_mask`` replaces the stored parameters, a per-call ``top_k`` / ``top_p`` /
+        ``min_p`` overrides its own; ``with_kept_mass`` applies when the call replays."""
+        if sampling_mask is not None:
+            return SamplerOptions(sampling_mask=sampling_mask, with_kept_mass=self.with_kept_mass)
         params = {}
         for name in ("top_k", "top_p", "min_p"):
-            value = given.get(name)
+            value = given.pop(name, None)
             params[name] = getattr(self, name) if value is None else value
+        if given:
+            raise TypeError(f"for_call() got unexpected options {sorted(given)}")
         out = SamplerOptions(**params)
         return dataclasses.replace(out, with_kept_mass=self.with_kept_mass and out.replaying)
 

@@ -62,12 +62,13 @@ loss), :mod:`~logitless.integrations.hf_batch` builds the targets, and
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..contract.options import Backend, HeadOptions, SamplerOptions
+from ..contract.options import Backend, HeadOptions, SamplerOptions, given_arguments
 from ..losses import LossNormalizer, PolicyLossConfig
 from ..sampling import SamplingMask
 from ..types import Divergence, LogProbs
@@ -247,7 +248,10 @@ def causal_lm_hidden_states(
     return run_in_forward(model, lambda lm: run_backbone(lm, *args).hidden)
 
 
+@given_arguments
 def causal_lm_logprobs(
+    given: Mapping[str, Any],
+    /,
     model: nn.Module,
     input_ids: torch.Tensor,
     *,
@@ -340,7 +344,6 @@ def causal_lm_logprobs(
     (torch.Size([2, 6]), True)
     >>> out.logprobs.sum().backward()                # gradients reach every model parameter
     """
-    given = locals()
     _check_model_kwargs("causal_lm_logprobs", model_kwargs)
     batch = ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
@@ -349,7 +352,10 @@ def causal_lm_logprobs(
     return run_in_forward(model, hf_seam.logprobs_in_forward, batch, options, sampler, model_kwargs)
 
 
+@given_arguments
 def causal_lm_policy_loss(
+    given: Mapping[str, Any],
+    /,
     model: nn.Module,
     input_ids: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -446,7 +452,6 @@ def causal_lm_policy_loss(
     ...     config=logitless.PolicyLossConfig(), response_mask=response)
     >>> loss.backward()
     """
-    given = locals()
     _check_model_kwargs("causal_lm_policy_loss", model_kwargs)
     entropy = isinstance(config, PolicyLossConfig) and config.entropy_coef != 0
     options = HeadOptions.pick(given).replace(with_entropy=entropy)
@@ -475,7 +480,10 @@ def causal_lm_policy_loss(
 # distillation: the divergence between a teacher's and the student's next-token distributions
 
 
+@given_arguments
 def causal_lm_divergence(
+    given: Mapping[str, Any],
+    /,
     model: nn.Module,
     teacher: nn.Module,
     input_ids: torch.Tensor,
@@ -541,7 +549,7 @@ def causal_lm_divergence(
     torch.Size([2, 6])
     >>> out.divergence.sum().backward()          # gradients reach the student's parameters
     """
-    options = HeadOptions.pick(locals())
+    options = HeadOptions.pick(given)
     _check_model_kwargs("causal_lm_divergence", model_kwargs)
     batch = ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask

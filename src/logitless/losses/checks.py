@@ -9,6 +9,7 @@ agreement checks, and under context parallelism one collective.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -120,13 +121,19 @@ def _norm_length(config: PolicyLossConfig, logprobs: torch.Tensor, grouped: bool
     )
 
 
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
+
+
 def stats_key(config: PolicyLossConfig, logprobs: object, ids: object, rollout: object) -> int:
-    """Fingerprint of what document statistics depend on: config and input layout."""
+    """Fingerprint of what document statistics depend on: config and input layout. The
+    config enters as its field values: under ``torch.compile`` the fingerprint is a constant
+    function's result, and torch 2.11's Dynamo cannot hand it a frozen dataclass."""
     dims = rows = None
     if isinstance(logprobs, torch.Tensor):
         dims = logprobs.dim()
         rows = logprobs.shape[0] if dims == 2 and ids is None else None  # rows are documents
-    return collectives.signature(config, dims, rows, rollout is None)
+    values = tuple(getattr(config, name) for name in _CONFIG_FIELDS)
+    return collectives.signature(values, dims, rows, rollout is None)
 
 
 class LossArgs(NamedTuple):

@@ -4,6 +4,8 @@ next-token distributions, straight from both heads' hidden states."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -14,14 +16,17 @@ from ...contract.divergence import (
     TeacherTopK,
     check_divergence_call,
 )
-from ...contract.options import Backend, HeadOptions
+from ...contract.options import Backend, HeadOptions, given_arguments
 from ...contract.vocab import VocabParallel
 from ...types import Divergence
 from ..rows import kernel_batch, kernel_options, select_rows
 from .function import run_rows
 
 
+@given_arguments
 def linear_divergence(
+    given: Mapping[str, Any],
+    /,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -131,7 +136,6 @@ def linear_divergence(
         (torch.Size([2, 5]), True)
         >>> out.divergence.sum().backward()
     """
-    given = locals()
     options = HeadOptions.pick(given)
     teacher = (teacher_hidden, teacher_weight, teacher_bias)
     div = DivergenceOptions.pick(given)

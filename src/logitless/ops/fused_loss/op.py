@@ -19,6 +19,8 @@ Triton backend always runs the statistics first, see its module.)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -26,7 +28,13 @@ from ...backends import backend_for
 from ...backends.base import RowBatch
 from ...contract.divergence import TeacherTopK
 from ...contract.head import HeadCall, check_head_call
-from ...contract.options import Backend, HeadOptions, SamplerOptions, WeightGradInto
+from ...contract.options import (
+    Backend,
+    HeadOptions,
+    SamplerOptions,
+    WeightGradInto,
+    given_arguments,
+)
 from ...contract.vocab import VocabParallel
 from ...losses import LossNormalizer, PolicyLossConfig
 from ...losses.call import LossCall
@@ -40,7 +48,10 @@ from .replay import replay_policy_loss
 from .row_loss import PolicyRowLoss, RowLoss, all_rows_grad_fn, chunk_grad_fn
 
 
+@given_arguments
 def fused_policy_loss(
+    given: Mapping[str, Any],
+    /,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -149,7 +160,6 @@ def fused_policy_loss(
     Returns:
         ``(loss, metrics)``: a 0-dim fp32 loss and a dict of detached 0-dim metrics.
     """
-    given = locals()
     return fused_loss_of(
         hidden,
         weight,

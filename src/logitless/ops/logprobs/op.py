@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from ...contract.head import HeadCall, check_head_call
-from ...contract.options import Backend, HeadOptions, SamplerOptions, WeightGradInto
+from ...contract.options import (
+    Backend,
+    HeadOptions,
+    SamplerOptions,
+    WeightGradInto,
+    given_arguments,
+)
 from ...contract.vocab import VocabParallel
 from ...sampling import SamplingMask
 from ...types import LogProbs
@@ -13,7 +22,10 @@ from ..rows import kernel_batch, kernel_options, select_rows
 from .function import run_rows
 
 
+@given_arguments
 def linear_logprobs(
+    given: Mapping[str, Any],
+    /,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -147,7 +159,6 @@ def linear_logprobs(
         (torch.Size([2, 5]), torch.float32)
         >>> (out.logprobs.sum() + 0.01 * out.entropy.sum()).backward()
     """
-    given = locals()
     return logprobs_of(
         hidden, weight, labels, bias, HeadOptions.pick(given), SamplerOptions.pick(given)
     )
