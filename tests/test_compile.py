@@ -292,3 +292,26 @@ def test_given_arguments_binds_what_locals_gave():
     assert "given" not in inspect.signature(logitless.linear_logprobs).parameters
     with pytest.raises(TypeError):
         f()
+
+
+@pytest.mark.parametrize("name", ["linear_logprobs", "linear_divergence"])
+def test_reference_takes_the_ops_arguments_less_how_it_runs(name):
+    """The reference's signature is derived from the op's (``arguments_like``): the same
+    parameters, defaults and order, less the options that say how and where the op runs,
+    which it refuses as unknown keywords."""
+    import inspect
+
+    from logitless import reference
+
+    op, ref = (
+        inspect.signature(getattr(logitless, name)),
+        inspect.signature(getattr(reference, name)),
+    )
+    dropped = [p for p in op.parameters if p not in ref.parameters]
+    assert {"backend", "vocab_parallel", "batch_invariant"} <= set(dropped)
+    assert list(ref.parameters.values()) == [
+        p for p in op.parameters.values() if p.name not in dropped
+    ]
+    h, w, y = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, -100])
+    with pytest.raises(TypeError, match="backend"):
+        getattr(reference, name)(h, w, y, backend="torch")

@@ -2,10 +2,12 @@
 
 These materialize the whole ``[..., V]`` logits tensor exactly as a hand-written training step
 would (built from each op's naive piece: :mod:`logitless.ops.logprobs.naive`,
-:mod:`logitless.ops.replay.naive`). They take the same arguments as
-:func:`logitless.linear_logprobs` (``chunk_size`` is accepted and ignored; there is no
-``vocab_parallel`` or ``backend``) and the same input checks, so a test or a benchmark can
-swap one for the other.
+:mod:`logitless.ops.replay.naive`). Each takes its op's arguments, less the options that say
+how and where the op runs (``vocab_parallel``, ``backend``, ``capturable``, ``row_capacity``,
+``batch_invariant``, ``weight_grad_into``): its signature is derived from the op's
+(:func:`~logitless.contract.options.arguments_like`), so an option is declared once.
+``chunk_size`` is accepted and ignored. The input checks are the op's, so a test or a
+benchmark can swap one for the other.
 """
 
 from __future__ import annotations
@@ -13,42 +15,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from .contract.divergence import DivergenceOptions, TeacherTopK, check_divergence_call
+from .contract.divergence import DivergenceOptions, check_divergence_call
 from .contract.head import check_head_call
-from .contract.options import HeadOptions, SamplerOptions, given_arguments
+from .contract.options import HeadOptions, SamplerOptions, arguments_like
 from .ops.divergence.naive import naive_divergence
+from .ops.divergence.op import linear_divergence as ops_divergence
 from .ops.logprobs.naive import full_logits, naive_logprobs
+from .ops.logprobs.op import linear_logprobs as ops_logprobs
 from .ops.replay.naive import kept_set, masked_logprobs
-from .sampling import SamplingMask
 from .types import Divergence, LogProbs
 
 __all__ = ["kept_set", "linear_divergence", "linear_logprobs"]
 
+# the op's options the full-logits path has no use for: how and where the op runs
+_OP_ONLY = (
+    "vocab_parallel", "backend", "capturable", "row_capacity", "batch_invariant",
+    "weight_grad_into",
+)  # fmt: skip
+_OP_ONLY_DIVERGENCE = ("vocab_parallel", "backend", "batch_invariant")
 
-@given_arguments
-def linear_logprobs(
-    given: Mapping[str, Any],
-    /,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    softcap: float | None = None,
-    logit_scale: float | None = None,
-    with_entropy: bool = False,
-    ignore_index: int = -100,
-    chunk_size: int | None = None,
-    head_dtype: torch.dtype | None = None,
-    sampling_mask: SamplingMask | torch.Tensor | None = None,
-    top_k: int | torch.Tensor | None = None,
-    top_p: float | torch.Tensor | None = None,
-    min_p: float | torch.Tensor | None = None,
-    with_kept_mass: bool = False,
-) -> LogProbs:
+
+@arguments_like(ops_logprobs, without=_OP_ONLY)
+def linear_logprobs(given: Mapping[str, Any]) -> LogProbs:
     """Per-token log-probs (and entropy) of ``labels`` from full logits.
 
     Computes, in plain PyTorch::
@@ -69,39 +57,16 @@ def linear_logprobs(
     ``[N, V]`` mask from the full logits), and the result is a ``ReplayLogProbs``.
     """
     options = HeadOptions.pick(given).replace(backend="torch")
-    call = check_head_call(hidden, weight, labels, bias, options, SamplerOptions.pick(given))
+    head = (given["hidden"], given["weight"], given["labels"], given["bias"])
+    call = check_head_call(*head, options, SamplerOptions.pick(given))
     logits = full_logits(call)  # [N, V]
     if call.replay is not None:
         return masked_logprobs(call, logits)
     return naive_logprobs(call, logits)
 
 
-@given_arguments
-def linear_divergence(
-    given: Mapping[str, Any],
-    /,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    teacher_hidden: torch.Tensor | None = None,
-    teacher_weight: torch.Tensor | None = None,
-    *,
-    teacher_topk: TeacherTopK | None = None,
-    beta: float = 0.0,
-    temperature: float | torch.Tensor = 1.0,
-    bias: torch.Tensor | None = None,
-    logit_scale: float | None = None,
-    softcap: float | None = None,
-    teacher_bias: torch.Tensor | None = None,
-    teacher_logit_scale: float | None = None,
-    teacher_softcap: float | None = None,
-    vocab_size: int | None = None,
-    with_logprobs: bool = False,
-    with_entropy: bool = False,
-    ignore_index: int = -100,
-    chunk_size: int | None = None,
-    head_dtype: torch.dtype | None = None,
-) -> Divergence:
+@arguments_like(ops_divergence, without=_OP_ONLY_DIVERGENCE)
+def linear_divergence(given: Mapping[str, Any]) -> Divergence:
     """:func:`logitless.linear_divergence` from both heads' full ``[..., V]`` logits.
 
     Computes, in plain PyTorch (TRL's ``generalized_jsd_loss`` per token)::
@@ -114,8 +79,9 @@ def linear_divergence(
     With ``teacher_topk`` the same divergence over the teacher's ids plus the tail bucket. Same
     checks as the op; ``chunk_size`` is accepted and ignored.
     """
-    teacher = (teacher_hidden, teacher_weight, teacher_bias)
+    teacher = (given["teacher_hidden"], given["teacher_weight"], given["teacher_bias"])
     options = HeadOptions.pick(given).replace(backend="torch")
     div = DivergenceOptions.pick(given)
-    call = check_divergence_call(hidden, weight, labels, bias, teacher, teacher_topk, options, div)
+    student = (given["hidden"], given["weight"], given["labels"], given["bias"])
+    call = check_divergence_call(*student, teacher, given["teacher_topk"], options, div)
     return naive_divergence(call)

@@ -59,6 +59,34 @@ def given_arguments(
     return call
 
 
+def arguments_like(
+    source: Callable[_P, _R], *, without: tuple[str, ...] = ()
+) -> Callable[[Callable[[Mapping[str, Any]], _R]], Callable[_P, _R]]:
+    """A second entry point taking ``source``'s arguments, less the parameters ``without``
+    (options only ``source`` has): the decorated ``impl(given)`` is called with every argument
+    by name (defaults filled in), and the function it returns has ``source``'s signature less
+    ``without``, so the options are declared once, in ``source``. An argument among
+    ``without`` raises ``TypeError`` as any unknown keyword does."""
+    signature = inspect.signature(source)
+    unknown = sorted(set(without) - set(signature.parameters))
+    if unknown:
+        raise ValueError(f"{source.__name__} has no parameters {unknown}")
+    kept = [p for name, p in signature.parameters.items() if name not in without]
+    public = signature.replace(parameters=kept)
+
+    def wrap(impl: Callable[[Mapping[str, Any]], _R]) -> Callable[_P, _R]:
+        @functools.wraps(impl)
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            bound = public.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return impl(bound.arguments)
+
+        call.__signature__ = public  # type: ignore[attr-defined]
+        return call
+
+    return wrap
+
+
 @dataclass(frozen=True, eq=False)
 class WeightGradInto:
     """Gradient-accumulation fusion: the weight's gradient is added into ``buffer`` instead of
