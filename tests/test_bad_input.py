@@ -404,3 +404,17 @@ def test_property_valid_or_named_error(lengths, masked, mistake, seed):
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     for k, v in metrics.items():
         assert math.isfinite(float(v)), k
+
+
+def test_module_forward_refuses_an_unknown_keyword():
+    """The modules' per-call sampler arguments are one typed ``**sampler``: any other keyword
+    raises ``TypeError`` naming it, as a plain signature would."""
+    from torch import nn
+
+    head = logitless.LogprobHead(nn.Linear(4, 7, bias=False))
+    h, y = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    assert head(h, y, top_k=3).logprobs.shape == (3,)
+    with pytest.raises(TypeError, match="'topk'"):
+        head(h, y, topk=3)
+    with pytest.raises(TypeError, match="LinearLogprobs.forward.*'sampling'"):
+        logitless.LinearLogprobs()(h, torch.randn(7, 4), y, sampling=None)

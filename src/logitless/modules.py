@@ -36,13 +36,18 @@ from torch import nn
 
 from .contract.checks import check_full_precision, is_dtensor
 from .contract.divergence import DivergenceOptions, TeacherTopK, check_divergence_call
-from .contract.options import HeadKwargs, HeadOptions, SamplerOptions, stored_options
+from .contract.options import (
+    HeadKwargs,
+    HeadOptions,
+    SamplerCallKwargs,
+    SamplerOptions,
+    stored_options,
+)
 from .losses import LossNormalizer, PolicyLossConfig
 from .losses.checks import check_config
 from .ops.divergence.op import divergence_of_call
 from .ops.fused_loss.op import fused_loss_of
 from .ops.logprobs.op import logprobs_of
-from .sampling import SamplingMask
 from .types import Divergence, LogProbs
 
 __all__ = [
@@ -78,11 +83,7 @@ class LinearLogprobs(nn.Module):
         labels: torch.Tensor,
         bias: torch.Tensor | None = None,
         temperature: float | torch.Tensor | None = None,
-        *,
-        sampling_mask: SamplingMask | torch.Tensor | None = None,
-        top_k: int | torch.Tensor | None = None,
-        top_p: float | torch.Tensor | None = None,
-        min_p: float | torch.Tensor | None = None,
+        **sampler: Unpack[SamplerCallKwargs],
     ) -> LogProbs:
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
         return logprobs_of(
@@ -91,7 +92,7 @@ class LinearLogprobs(nn.Module):
             labels,
             bias,
             self.options.replace(temperature=temperature),
-            self.sampler.for_call(sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p),
+            self.sampler.for_call(type(self).__name__, sampler),
         )
 
     @property
@@ -294,22 +295,20 @@ class LogprobHead(_SharedHeadWeight):
         hidden: torch.Tensor,
         labels: torch.Tensor,
         temperature: float | torch.Tensor | None = None,
-        *,
-        sampling_mask: SamplingMask | torch.Tensor | None = None,
-        top_k: int | torch.Tensor | None = None,
-        top_p: float | torch.Tensor | None = None,
-        min_p: float | torch.Tensor | None = None,
+        **sampler: Unpack[SamplerCallKwargs],
     ) -> LogProbs:
         """Log-probs (and entropy) of ``labels`` ``[...]`` from ``hidden`` ``[..., H]``."""
         weight, bias = self._current_parameters()
-        check_full_precision(temperature=temperature, top_p=top_p, min_p=min_p)
+        check_full_precision(
+            temperature=temperature, top_p=sampler.get("top_p"), min_p=sampler.get("min_p")
+        )
         out = logprobs_of(
             hidden,
             weight,
             labels,
             bias,
             self.options.replace(temperature=temperature),
-            self.sampler.for_call(sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p),
+            self.sampler.for_call(type(self).__name__, sampler),
         )
         # FSDP2 registers its pre-backward hook on the module's outputs; an in-place op on an
         # output that is a view would drop it (torch warns about views). [N]-sized copies.
@@ -411,21 +410,18 @@ class PolicyLossHead(_SharedHeadWeight):
         rollout_logprobs: torch.Tensor | None = None,
         normalizer: LossNormalizer | None = None,
         temperature: float | torch.Tensor | None = None,
-        sampling_mask: SamplingMask | torch.Tensor | None = None,
-        top_k: int | torch.Tensor | None = None,
-        top_p: float | torch.Tensor | None = None,
-        min_p: float | torch.Tensor | None = None,
+        **sampler: Unpack[SamplerCallKwargs],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metrics)`` of :func:`~logitless.fused_policy_loss` with this head's weight."""
         weight, bias = self._current_parameters()
-        check_full_precision(top_p=top_p, min_p=min_p)
+        check_full_precision(top_p=sampler.get("top_p"), min_p=sampler.get("min_p"))
         return fused_loss_of(
             hidden,
             weight,
             labels,
             bias,
             self.options.replace(temperature=temperature),
-            self.sampler.for_call(sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p),
+            self.sampler.for_call(type(self).__name__, sampler),
             old_logprobs,
             advantages,
             config=self.config,

@@ -271,19 +271,22 @@ class SamplerOptions:
         """Whether a kept set is given (a mask) or replayed (a sampler parameter)."""
         return any(v is not None for v in (self.sampling_mask, self.top_k, self.top_p, self.min_p))
 
-    def for_call(self, sampling_mask: object = None, **given: object) -> SamplerOptions:
-        """The options of one call of a module that stores these; the call's own
-        ``sampling_mask``, ``top_k``, ``top_p`` and ``min_p`` (None: not given). A per-call
+    def for_call(self, owner: str, given: Mapping[str, object]) -> SamplerOptions:
+        """The options of one call of a module that stores these; ``given``: the call's own
+        sampler arguments (:class:`SamplerCallKwargs`; None: not given), any other name a
+        ``TypeError`` of ``owner``'s forward, as Python would raise. A per-call
         ``sampling_mask`` replaces the stored parameters, a per-call ``top_k`` / ``top_p`` /
         ``min_p`` overrides its own; ``with_kept_mass`` applies when the call replays."""
-        if sampling_mask is not None:
-            return SamplerOptions(sampling_mask=sampling_mask, with_kept_mass=self.with_kept_mass)
+        unknown = sorted(set(given) - set(SamplerCallKwargs.__annotations__))
+        if unknown:
+            raise TypeError(f"{owner}.forward() got an unexpected keyword argument {unknown[0]!r}")
+        mask = given.get("sampling_mask")
+        if mask is not None:
+            return SamplerOptions(sampling_mask=mask, with_kept_mass=self.with_kept_mass)
         params = {}
         for name in ("top_k", "top_p", "min_p"):
-            value = given.pop(name, None)
+            value = given.get(name)
             params[name] = getattr(self, name) if value is None else value
-        if given:
-            raise TypeError(f"for_call() got unexpected options {sorted(given)}")
         out = SamplerOptions(**params)
         return dataclasses.replace(out, with_kept_mass=self.with_kept_mass and out.replaying)
 
@@ -323,6 +326,17 @@ class HeadKwargs(TypedDict, total=False):
     top_p: float | None
     min_p: float | None
     with_kept_mass: bool
+
+
+class SamplerCallKwargs(TypedDict, total=False):
+    """The sampler arguments one call of a module form may give (its ``forward``'s
+    ``**sampler``; :meth:`SamplerOptions.for_call` reads them): a per-call sampling mask, or
+    per-call ``top_k`` / ``top_p`` / ``min_p`` (a scalar, or a tensor per row)."""
+
+    sampling_mask: SamplingMask | torch.Tensor | None
+    top_k: int | torch.Tensor | None
+    top_p: float | torch.Tensor | None
+    min_p: float | torch.Tensor | None
 
 
 def stored_options(owner: str, options: Mapping[str, object]) -> tuple[HeadOptions, SamplerOptions]:
