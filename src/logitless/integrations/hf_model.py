@@ -21,6 +21,7 @@ audited forwards call it, with the MoE router logits when asked for) and
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -326,7 +327,11 @@ def causal_lm_router_aux_coef(model: nn.Module, coef: float | None = None) -> fl
     """The weight of an MoE model's router load-balancing loss in a logitless loss.
 
     ``coef=None`` follows the model's own forward: ``model.router_aux_loss_coef`` when
-    ``config.output_router_logits`` is True, else 0 (no router logits, no loss). A float is
+    ``config.output_router_logits`` is True and the forward reads that flag, else 0 (no router
+    logits, no loss). Every audited text MoE class reads it; the vision-language MoE classes
+    read it from transformers 5.24 (``output_router_logits`` in their ``forward``'s
+    signature), while up to 5.17 their forward adds the loss only when a call passes
+    ``output_router_logits=True``, so with their config flag alone it adds none. A float is
     used as given (TRL's ``router_aux_loss_coef``); 0 turns the loss off. A dense model has
     no router: 0, and a non-zero float raises ``ValueError``.
 
@@ -348,7 +353,9 @@ def causal_lm_router_aux_coef(model: nn.Module, coef: float | None = None) -> fl
             )
         return 0.0
     if coef is None:
-        on = bool(lm.config.get_text_config().output_router_logits)
+        cls, _ = audited_class(lm)
+        reads = "output_router_logits" in inspect.signature(cls.forward).parameters
+        on = reads and bool(lm.config.get_text_config().output_router_logits)
         return hf_vlm.moe_router(lm)[2] if on else 0.0
     if not (math.isfinite(float(coef)) and float(coef) >= 0):
         raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {coef}")
