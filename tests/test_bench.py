@@ -458,6 +458,10 @@ def test_an_unavailable_method_is_skipped_without_a_worker(monkeypatch) -> None:
     assert "GPU" in row.reason or "not installed" in row.reason, row.reason
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.nn.functional, "linear_cross_entropy"),
+    reason=f"torch {torch.__version__} has no F.linear_cross_entropy (added in 2.13)",
+)
 def test_torch_linear_cross_entropy_peer_gives_the_log_prob_gradients() -> None:
     """``torch_lce`` (PyTorch's chunked ``F.linear_cross_entropy``) is a logprobs peer: its step
     gives the gradients of the masked full-logits log-probs under the same upstream."""
