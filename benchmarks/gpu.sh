@@ -11,8 +11,8 @@
 #
 # The stages run in the order of what a short lease must show first: correctness, then the
 # log-probs head at 16384 and 65536 tokens (one invocation per size, so a limit loses one size
-# only), the fused loss, the no-grad forward probe, distillation, replay, batch invariance, the
-# 4096-token row, the fp32 shape, the demo, the CPU suite. With GPU_BUDGET_S every stage's limit
+# only), the fused loss, the no-grad forward probe, distillation, replay, batch invariance,
+# Megatron's step, the 4096-token row, the fp32 shape, the demo, the CPU suite. With GPU_BUDGET_S every stage's limit
 # is cut to what is left of the budget, and a stage with under 30 s left is skipped (logged):
 # a lease of 15 device minutes, a few of them spent starting the machine, holds one call of
 # GPU_BUDGET_S=540 and a second call for the stages it skipped (`STAGES=...`).
@@ -79,6 +79,13 @@ stage bench-distill 200 "${bench[@]}" --task distill "${qwen[@]}" --tokens 16384
 stage bench-replay 200 "${bench[@]}" --task replay "${qwen[@]}" --tokens 16384
 # The batch-invariant schedule against the default one (head and fused loss).
 stage bench-invariance 200 "${bench[@]}" --task invariance "${qwen[@]}" --tokens 16384
+# Megatron on one GPU: TP=1, a bf16 Float16Module under the distributed optimizer, against
+# Megatron's logits path (needs megatron-core: benchmarks/gpu_wheels.sh carries its wheel).
+mh=(python3 benchmarks/megatron_head.py --device cuda --tp 1 --dtype bfloat16
+    --distributed-optimizer --seq 16384 --hidden 3584 --vocab 152064 --repeats 5
+    --csv "$out/megatron_head.csv")
+stage megatron 150 "${mh[@]}"
+stage megatron-loss 150 "${mh[@]}" --task loss --entropy
 stage bench-bf16-4k 90 "${bench[@]}" "${qwen[@]}" --tokens 4096
 stage bench-fp32 200 "${bench[@]}" --tokens 8192
 

@@ -1,9 +1,11 @@
-"""Megatron's logits path vs logitless inside output_layer: per-rank peak memory and time, CPU.
+"""Megatron's logits path vs logitless inside output_layer: per-rank peak memory and time.
 
     python benchmarks/megatron_head.py --seq 8192 --hidden 1024 --vocab 151936 --tp 2
     python benchmarks/megatron_head.py --task loss --entropy --main-grad
     python benchmarks/megatron_head.py --task loss --entropy --distributed-optimizer
     python benchmarks/megatron_head.py --distributed-optimizer --dtype bfloat16 --seq 4096
+    python benchmarks/megatron_head.py --device cuda --tp 1 --distributed-optimizer \
+        --dtype bfloat16 --seq 16384 --hidden 3584 --vocab 152064
 
 The head of a megatron-core GPTModel on ``tp`` gloo ranks, fp32 (or ``--dtype bfloat16``): the
 decoder's hidden states ``[S, 1, H]`` and a real ``ColumnParallelLinear`` output layer
@@ -63,11 +65,15 @@ logitless adds its weight gradient into the fp32 ``main_grad`` as in fp32. On a 
 native bf16 matmuls (``avx512_bf16``, AMX) they are several times slower than fp32 ones:
 measure at a smaller ``--seq`` there.
 
+``--device cuda``: one GPU per rank (NCCL; megatron-core as it runs there, no CPU shims), the
+peak extra memory from ``torch.cuda.max_memory_allocated`` and each step timed between two
+``torch.cuda.synchronize`` calls. Not yet run: no GPU was lent since it was written.
+
 Each method runs in fresh processes (one per rank, file:// rendezvous). Every rank reports its
-peak extra RSS during one step (high-water mark reset before it) and the median time of
-``--repeats`` steps; a row is the maximum over ranks. The machine's cores are split between the
-ranks. Prints both rows and the ratios logitless / megatron; appends them to a CSV (columns
-added over time go to the end; an older file gets them, empty, in its old rows).
+peak extra memory during one step (RSS high-water mark reset before it on a CPU) and the
+median time of ``--repeats`` steps; a row is the maximum over ranks. The machine's cores are
+split between the ranks. Prints both rows and the ratios logitless / megatron; appends them to
+a CSV (columns added over time go to the end; an older file gets them, empty, in its old rows).
 """
 
 from __future__ import annotations
@@ -92,15 +98,19 @@ METHODS = ("megatron", "logitless")
 def _rank(rank: int, method: str, args, tmp: str) -> None:
     warnings.filterwarnings("ignore")
     tp = args.tp
-    if args.distributed_optimizer:  # megatron-core's CUDA hard-codings, pointed at the CPU
+    cuda = args.device == "cuda"
+    if args.distributed_optimizer and not cuda:  # megatron-core's CUDA hard-codings, on CPU
         import sys
 
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         import _megatron_shim
 
         _megatron_shim.install()
+    if cuda:
+        torch.cuda.set_device(rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=tp)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=rank, world_size=tp)
     try:
         torch.save(_measure(method, args), f"{tmp}/rank{rank}.pt")
     finally:
@@ -117,11 +127,13 @@ def _measure(method: str, args) -> dict:
     from megatron.core.transformer import TransformerConfig
 
     import logitless
-    from logitless.apps.memory import CpuPeakMemory
+    from logitless.apps.memory import peak_memory_meter
     from logitless.integrations import megatron, seam
 
-    if not torch.cuda.is_available():  # Megatron's gathers allocate on the current CUDA device
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    if device is None:  # Megatron's gathers allocate on the current CUDA device
         torch.cuda.current_device = lambda: "cpu"
+        device = torch.device("cpu")
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp, create_gloo_process_groups=args.distributed_optimizer
     )
@@ -133,7 +145,7 @@ def _measure(method: str, args) -> dict:
         hidden_size=h,
         num_attention_heads=args.tp,
         tensor_model_parallel_size=args.tp,
-        use_cpu_initialization=True,
+        use_cpu_initialization=device.type == "cpu",
         perform_initialization=False,
         **({"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}),
     )
@@ -149,14 +161,14 @@ def _measure(method: str, args) -> dict:
     # rows were its first hidden rows (scaled), a near one-hot softmax no model has
     g = torch.Generator().manual_seed(1000 + ps.get_tensor_model_parallel_rank())
     with torch.no_grad():
-        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / h**0.5)
-    g = torch.Generator().manual_seed(0)  # the same tokens on every rank
-    hidden = torch.randn(s, 1, h, generator=g).to(dtype).requires_grad_()
-    labels = torch.randint(0, v, (1, s), generator=g)
-    up = torch.randn(2, 1, s, generator=g)
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g).to(device) / h**0.5)
+    g = torch.Generator().manual_seed(0)  # the same tokens on every rank (drawn on the CPU)
+    hidden = torch.randn(s, 1, h, generator=g).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, v, (1, s), generator=g).to(device)
+    up = torch.randn(2, 1, s, generator=g).to(device)
     # the loss task's rollout data: old log-probs near the model's, advantages per token
-    old = -math.log(v) - 0.5 + 0.1 * torch.randn(1, s, generator=g)
-    adv = torch.randn(1, s, generator=g)
+    old = (-math.log(v) - 0.5 + 0.1 * torch.randn(1, s, generator=g)).to(device)
+    adv = torch.randn(1, s, generator=g).to(device)
     rows = layer.output_size_per_partition
     start = ps.get_tensor_model_parallel_rank() * rows
     vp = None
@@ -172,7 +184,7 @@ def _measure(method: str, args) -> dict:
     weight = layer.weight
     if args.main_grad and not args.distributed_optimizer:
         # what Megatron's DDP gives the parameter, and its backward hook
-        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=device)
         weight.grad_added_to_main_grad = False
         node = weight.expand_as(weight).grad_fn.next_functions[0][0]
         node.register_hook(_ddp_hook(weight))
@@ -259,7 +271,8 @@ def _measure(method: str, args) -> dict:
         ("logitless", "loss"): logitless_loss,
     }
     step = steps[method, args.task]
-    mem = CpuPeakMemory()
+    mem = peak_memory_meter(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     head_peaks: list[int] = []  # per step: the peak before the optimizer's step
     if args.distributed_optimizer:
         step = _optimizer_step(
@@ -283,8 +296,10 @@ def _measure(method: str, args) -> dict:
     times = []
     for _ in range(args.repeats):
         clear()
+        sync()
         t0 = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - t0)
     loss = None if value is None else float(value)
     norm = norms[0] if norms else None  # the warm-up step's: the same weights both ways
@@ -443,6 +458,12 @@ def main() -> None:
         help="the hidden states' and the output layer's dtype; bfloat16 as Megatron-LM runs a "
         "bf16 model (Float16Module, fp32 main_grad and main parameters; see the docstring)",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: one GPU per rank, NCCL (see the docstring)",
+    )
     p.add_argument("--csv", default="bench-results/megatron_head.csv")
     args = p.parse_args()
     rows = {}
@@ -464,6 +485,7 @@ def main() -> None:
             "loss_path": args.loss_path if args.task == "loss" else "",
             "dtype": args.dtype,
             "weight_seed": "1000+rank",
+            "device": args.device,
         }
         if args.distributed_optimizer:  # its columns, only in its rows (empty in the others)
             head = max(r["head_peak"] for r in res)

@@ -835,7 +835,7 @@ def test_benchmark_loss_task_runs(tmp_path):
     assert len(losses) == 2, proc.stdout
     assert abs(float(losses[0]) - float(losses[1])) < 1e-5, proc.stdout
     lines = (tmp_path / "mh.csv").read_text().splitlines()
-    new = ",task,main_grad,loss_path,dtype,weight_seed"
+    new = ",task,main_grad,loss_path,dtype,weight_seed,device"
     assert lines[0] == old.strip() + new and len(lines) == 4, lines
-    assert lines[1].endswith("0.1,,,,,"), lines
-    assert lines[3].endswith(",loss,True,fused,float32,1000+rank"), lines
+    assert lines[1].endswith("0.1,,,,,,"), lines
+    assert lines[3].endswith(",loss,True,fused,float32,1000+rank,cpu"), lines
