@@ -98,7 +98,7 @@ class DivergenceOptions:
 
     @classmethod
     def pick(cls, values: Mapping[str, object]) -> DivergenceOptions:
-        """The options among ``values`` (a public function's ``locals()``)."""
+        """The options among ``values`` (a public function's arguments by name)."""
         return cls(**{k: values[k] for k in _FIELDS if k in values})
 
 
