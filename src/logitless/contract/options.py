@@ -48,15 +48,7 @@ def given_arguments(
     """
     signature = inspect.signature(fn)
     public = signature.replace(parameters=list(signature.parameters.values())[1:])
-
-    @functools.wraps(fn)
-    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        bound = public.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return fn(bound.arguments, *args, **kwargs)
-
-    call.__signature__ = public  # type: ignore[attr-defined]
-    return call
+    return _bound_to(public, fn, lambda given, args, kwargs: fn(given, *args, **kwargs))
 
 
 def arguments_like(
@@ -75,16 +67,29 @@ def arguments_like(
     public = signature.replace(parameters=kept)
 
     def wrap(impl: Callable[[Mapping[str, Any]], _R]) -> Callable[_P, _R]:
-        @functools.wraps(impl)
-        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            bound = public.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return impl(bound.arguments)
-
-        call.__signature__ = public  # type: ignore[attr-defined]
-        return call
+        return _bound_to(public, impl, lambda given, args, kwargs: impl(given))
 
     return wrap
+
+
+def _bound_to(
+    public: inspect.Signature,
+    wrapped: Callable[..., _R],
+    run: Callable[[Mapping[str, Any], tuple[Any, ...], dict[str, Any]], _R],
+) -> Callable[..., _R]:
+    """A function with signature ``public`` (and ``wrapped``'s name and docstring) that binds
+    each call's arguments to it, fills in the defaults and hands ``run`` the arguments by name
+    with the call's own ``args`` and ``kwargs``: a bad call raises ``TypeError`` as Python
+    would."""
+
+    @functools.wraps(wrapped)
+    def call(*args: Any, **kwargs: Any) -> _R:
+        bound = public.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return run(bound.arguments, args, kwargs)
+
+    call.__signature__ = public  # type: ignore[attr-defined]
+    return call
 
 
 @dataclass(frozen=True, eq=False)
