@@ -128,6 +128,7 @@ def _measure(method: str, args) -> dict:
 
     import logitless
     from logitless.apps.memory import peak_memory_meter
+    from logitless.contract.options import HeadOptions
     from logitless.integrations import megatron, seam
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
@@ -232,12 +233,14 @@ def _measure(method: str, args) -> dict:
 
         return seam.run_as_forward(layer, head, run_layer)[1]
 
+    def prepared(**options) -> seam.Prepared:
+        """The seam's first phase, as the integrations run it before the model."""
+        options = HeadOptions(weight_grad_into=into(), **options)
+        return seam.prepare(labels, seam.Head(layer.weight), options, parallel=parallel)
+
     def logitless_logprobs() -> None:
-        out = in_output_layer(
-            lambda t, w: seam.logprobs(
-                t, w, parallel, with_entropy=args.entropy, weight_grad_into=into()
-            )
-        )
+        prep = prepared(with_entropy=args.entropy)
+        out = in_output_layer(lambda t, w: seam.logprobs(prep, t, w))
         loss = (out.logprobs * up[0]).sum()
         if args.entropy:
             loss = loss + (out.entropy * up[1]).sum()
@@ -245,22 +248,16 @@ def _measure(method: str, args) -> dict:
 
     def logitless_loss() -> None:
         if args.loss_path == "composed":  # the log-prob op (recompute), then the loss
-            out = in_output_layer(
-                lambda t, w: seam.logprobs(
-                    t, w, parallel, with_entropy=args.entropy, weight_grad_into=into()
-                )
-            )
+            prep = prepared(with_entropy=args.entropy)
+            out = in_output_layer(lambda t, w: seam.logprobs(prep, t, w))
             loss, _ = logitless.policy_loss(
                 out.logprobs, old, adv, torch.ones_like(old, dtype=torch.bool),
                 config=config, entropy=out.entropy,
             )  # fmt: skip
         else:
             inputs = seam.LossInputs(old_logprobs=old, advantages=adv)
-            loss, _ = in_output_layer(
-                lambda t, w: seam.policy_loss(
-                    t, w, inputs, parallel, config=config, weight_grad_into=into()
-                )
-            )
+            prep = prepared().with_loss(inputs, config)
+            loss, _ = in_output_layer(lambda t, w: seam.policy_loss(prep, t, w))
         loss.backward()
         return loss
 

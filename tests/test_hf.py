@@ -21,7 +21,8 @@ from _tolerance import assert_no_worse_than_reference
 from torch import nn
 
 from logitless import PolicyLossConfig, packing, policy_loss
-from logitless.integrations import hf, hf_vlm
+from logitless.integrations import hf
+from logitless.integrations.hf import vlm as hf_vlm
 
 transformers = pytest.importorskip("transformers")
 
@@ -730,6 +731,17 @@ def _bad_cases(model):
         "temperature": (
             lambda: hf.causal_lm_logprobs(model, ids, temperature=0.0),
             "temperature",
+        ),
+        "input_ids out of the vocabulary": (  # named as input_ids, not as the labels of them
+            lambda: hf.causal_lm_logprobs(model, ids.masked_fill(ids == ids[0, 2], V)),
+            rf"input_ids must be token ids in \[0, {V}\).*got ids in \[\d+, {V}\]",
+        ),
+        "input_ids out of the vocabulary, loss": (
+            lambda: hf.causal_lm_policy_loss(
+                model, ids - ids.max() - 1, torch.zeros(2, 6), torch.zeros(2),
+                config=PolicyLossConfig(),
+            ),  # fmt: skip
+            r"input_ids must be token ids in \[0, ",
         ),
         "chunk_size": (lambda: hf.causal_lm_logprobs(model, ids, chunk_size=0), "chunk_size"),
         "with_entropy": (lambda: hf.causal_lm_logprobs(model, ids, with_entropy=1), "with_entropy"),

@@ -26,16 +26,16 @@ def _model(width: int):
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_divergence_passes_batch_invariant_to_the_op(monkeypatch, invariant):
-    import logitless.ops.divergence.op as op
+    from logitless.integrations import seam
 
     seen = []
-    real = op.linear_divergence
+    real = seam.divergence_of_call  # the op on the checked call the seam builds
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("batch_invariant", False))
-        return real(*args, **kwargs)
+    def spy(call):
+        seen.append(call.student.batch_invariant)
+        return real(call)
 
-    monkeypatch.setattr(op, "linear_divergence", spy)
+    monkeypatch.setattr(seam, "divergence_of_call", spy)
     ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hf.causal_lm_divergence(_model(16), _model(32), ids, beta=0.5, batch_invariant=invariant)

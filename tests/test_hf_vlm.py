@@ -32,7 +32,8 @@ from test_hf import IGNORE, _from_logits, _grads
 from test_hf_distill import _divergence as _divergence_reference
 
 from logitless import PolicyLossConfig, policy_loss
-from logitless.integrations import hf, hf_vlm
+from logitless.integrations import hf
+from logitless.integrations.hf import vlm as hf_vlm
 
 transformers = pytest.importorskip("transformers")
 

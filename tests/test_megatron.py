@@ -360,7 +360,17 @@ def _schedule_case(rank: int, per_token: bool, sp: bool) -> None:
 
     model.config.calculate_per_token_loss = per_token
     model.config.finalize_model_grads_func = finalize
-    example.train_step(model, micro_batches, per_token=per_token)
+    from logitless.integrations.megatron import layout
+
+    reads, read = [], layout._token_layout
+    layout._token_layout = lambda *a: reads.append(1) or read(*a)
+    try:
+        example.train_step(model, micro_batches, per_token=per_token)
+    finally:
+        layout._token_layout = read
+    # each micro-batch's layout read twice: once by train_step for the step's normalizer
+    # (examples/megatron_step.py), once by its policy_loss_step (which used to read it twice)
+    assert len(reads) == 2 * len(micro_batches), len(reads)
     ours = _grads(model)
 
     def composed(m) -> dict:
@@ -476,6 +486,22 @@ def _errors_case(rank: int) -> None:
     model, _, _ = _setup(2, 1, False)
     batch = _dense_batch()
     args = _model_inputs(batch)
+    # a bad option is refused before the model runs (the seam's prepare): no decoder forward
+    forwards: list[int] = []
+    hook = model.decoder.register_forward_pre_hook(lambda *_: forwards.append(1))
+    cold = torch.zeros(batch["labels"].shape)  # a per-token temperature of 0
+    inputs = _loss_inputs(batch, torch.zeros(batch["labels"].shape))
+    raises("temperature must be finite and > 0", None,
+           lambda: megatron.logprobs(model, *args, batch["labels"], temperature=cold))  # fmt: skip
+    raises("chunk_size must be", None,
+           lambda: megatron.logprobs(model, *args, batch["labels"], chunk_size=0))  # fmt: skip
+    raises("temperature must be finite and > 0", None, lambda: megatron.policy_loss(
+        model, *args, batch["labels"], inputs, config=CONFIG, temperature=cold))  # fmt: skip
+    raises("advantages", None, lambda: megatron.policy_loss(
+        model, *args, batch["labels"], inputs.replace(advantages=inputs.advantages[:1]),
+        config=CONFIG))  # fmt: skip
+    hook.remove()
+    assert forwards == [], "a bad option ran the decoder"
     # labels that do not match the hidden states, on one rank only
     labels = batch["labels"][:, :-1] if rank == 1 else batch["labels"]
     raises("labels must be [batch, seq_length] = [2, 16]", other,
@@ -560,10 +586,11 @@ def _fusion_case(rank: int, sp: bool, tied: bool) -> None:
     DDP's hook sees the flag and a one-element placeholder (untied), or the tied embedding's
     own gradient and no flag; the fused loss likewise; ``True`` without DDP raises."""
     from logitless.integrations import megatron
+    from logitless.integrations.megatron import model as megatron_model
 
     model, truth, build = _setup(2, 1, sp, tied)
     ref_model = build()
-    weight = megatron._head_weight(megatron.megatron_head(model))
+    weight = megatron_model.head_weight(megatron.megatron_head(model))
     seen: list = []
     node = _hook_spy(weight, seen)
     ours, ref = _ddp(model), _ddp(ref_model)
@@ -583,7 +610,7 @@ def _fusion_case(rank: int, sp: bool, tied: bool) -> None:
         with contextlib.nullcontext() if last else ref.no_sync():
             logp, ent = _megatron_path(ref, batch)
             (logp * up[0] + ent * up[1]).sum().backward()
-        ref_weight = megatron._head_weight(megatron.megatron_head(ref_model))
+        ref_weight = megatron_model.head_weight(megatron.megatron_head(ref_model))
         snapshots["ref"].append(ref_weight.main_grad.clone())
         logp64, ent64 = _megatron_path(truth, batch)
         (logp64 * up[0] + ent64 * up[1]).sum().backward()
@@ -591,7 +618,7 @@ def _fusion_case(rank: int, sp: bool, tied: bool) -> None:
     ours_g, ref_g, exact = _main_grads(ours), _main_grads(ref), _grads(truth)
     assert set(ours_g) == set(ref_g) == set(exact), set(ours_g) ^ set(exact)
     floor = 2 * _param_floor(batches[0])
-    truth_w = megatron._head_weight(megatron.megatron_head(truth))
+    truth_w = megatron_model.head_weight(megatron.megatron_head(truth))
     exact_name = next(n for n, p in truth.named_parameters() if p is truth_w)
     for name in ref_g:
         assert_no_worse_than_reference(

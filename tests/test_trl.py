@@ -341,15 +341,18 @@ def test_batch_invariant_reaches_every_head_call(model_dir, tmp_path, monkeypatc
     """``LogitlessGRPOTrainer(..., batch_invariant=True)``: the scoring passes (old policy,
     reference) and the loss's head calls all run in the mode; the loss is the default mode's
     up to rounding. A value that is not a bool is refused."""
-    from logitless.integrations import hf
-    from logitless.integrations import trl as adapter
+    from logitless.integrations import hf, seam
 
     options, attrs, tweaks = COMBOS["off_policy_mask_entropy_kl"]
     seen: list[object] = []
 
     def spy(fn):
         def wrapped(*args, **kwargs):
-            seen.append((fn.__name__, kwargs.get("batch_invariant")))
+            if fn.__name__ == "causal_lm_logprobs":
+                flag = kwargs.get("batch_invariant")
+            else:  # the seam's head calls: their prepared call's options
+                flag = args[0].options.batch_invariant
+            seen.append((fn.__name__, flag))
             return fn(*args, **kwargs)
 
         return wrapped
@@ -364,14 +367,14 @@ def test_batch_invariant_reaches_every_head_call(model_dir, tmp_path, monkeypatc
         )  # fmt: skip
         trainer.current_gradient_accumulation_steps = 2
         if invariant:
-            for name in ("linear_logprobs", "fused_policy_loss"):
-                monkeypatch.setattr(adapter, name, spy(getattr(adapter, name)))
+            for name in ("logprobs", "policy_loss"):
+                monkeypatch.setattr(seam, name, spy(getattr(seam, name)))
             monkeypatch.setattr(hf, "causal_lm_logprobs", spy(hf.causal_lm_logprobs))
         inputs = _batch(trainer, tweaks)
         trainer.model.train()
         losses[invariant] = _loss_and_grads(trainer, inputs)[0]
     names = {name for name, _ in seen}
-    assert names == {"causal_lm_logprobs", "linear_logprobs", "fused_policy_loss"}, seen
+    assert names == {"causal_lm_logprobs", "logprobs", "policy_loss"}, seen
     assert all(flag is True for _, flag in seen), seen
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
@@ -495,6 +498,29 @@ def test_unsupported_model_and_later_changes_raise(tmp_path, model_dir):
     trainer.loss_type = "vespo"
     with pytest.raises(ValueError, match="vespo"):
         trainer.compute_loss(trainer.model, inputs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, float("nan")])
+def test_a_bad_temperature_raises_before_the_backbone(tmp_path, model_dir, temperature):
+    """The head call is checked (the seam's prepare) before the backbone's forward runs:
+    a temperature TRL lets through costs no forward (it was refused inside the head, after
+    the whole backbone had run)."""
+    trainer = grpo_trainer(LogitlessGRPOTrainer, model_dir, grpo_args(tmp_path))
+    inputs = _score(trainer, vllm=False)
+    trainer.current_gradient_accumulation_steps = 2
+    calls = []
+    backbone = trainer.model.model
+    handle = backbone.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        trainer.temperature = temperature
+        with pytest.raises(ValueError, match="temperature"):
+            trainer.compute_loss(trainer.model, inputs)
+        assert calls == []
+        trainer.temperature = 1.0  # the same batch runs once the option is good
+        trainer.compute_loss(trainer.model, inputs)
+        assert len(calls) == 1
+    finally:
+        handle.remove()
 
 
 def test_mixin_on_a_user_subclass(model_dir, tmp_path):

@@ -59,8 +59,12 @@ def _force_fsdp2(trainer) -> None:
 def _bypass_wrappers() -> None:
     """What logitless did before: call the unwrapped model, outside the wrapper's forward."""
     from logitless.integrations import hf, wrappers
+    from logitless.integrations.hf import functions
 
-    hf.run_in_forward = lambda model, fn, *a, **k: fn(wrappers.unwrap(model).model, *a, **k)
+    def bypass(model, fn, *a, **k):
+        return fn(wrappers.unwrap(model).model, *a, **k)
+
+    hf.run_in_forward = functions.run_in_forward = bypass  # the trainers' and the HF functions'
 
 
 def _worker(rank: int, world: int, model_dir: str, kind: str, tmp: str, options: dict, bypass):

@@ -42,6 +42,7 @@ from .contract.checks import check_int as _check_int
 from .contract.checks import check_same_device as _check_same_device
 from .contract.checks import check_tensor as _check_tensor
 from .contract.checks import fmt_shape as _shape
+from .contract.options import IGNORE_INDEX
 
 __all__ = [
     "cu_seqlens_to_document_ids",
@@ -347,7 +348,7 @@ def next_token_labels(
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Next-token labels that never cross a document boundary.
 

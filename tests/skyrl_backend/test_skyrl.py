@@ -326,6 +326,33 @@ def test_config_accepts_logitless_and_keeps_skyrls_checks():
         )
 
 
+@pytest.mark.parametrize("temperature", [0.0, float("inf")])
+def test_a_temperature_skyrl_divides_the_weight_by_is_refused_with_the_config(temperature):
+    """SkyRL divides the head weight by ``trainer.algorithm.temperature`` before the fused
+    head gets it: 0 (greedy sampling's, copied from the generator when unset) would give NaN
+    log-probs. Refused by name when the config is made, before any model exists or runs."""
+    from skyrl.train.config.config import (
+        AlgorithmConfig,
+        GeneratorConfig,
+        SamplingParams,
+        SkyRLTrainConfig,
+    )
+
+    with pytest.raises(ValueError, match="trainer.algorithm.temperature must be finite and > 0"):
+        _trainer_config(
+            fused_lm_head_logprob_backend="logitless",
+            algorithm=AlgorithmConfig(temperature=temperature),
+        )
+    trainer = _trainer_config(fused_lm_head_logprob_backend="logitless")  # unset: checked later
+    generator = GeneratorConfig(sampling_params=SamplingParams(temperature=temperature))
+    with pytest.raises(ValueError, match="generator.sampling_params.temperature"):
+        SkyRLTrainConfig(trainer=trainer, generator=generator)
+    # SkyRL's own backends keep SkyRL's behaviour
+    _trainer_config(
+        fused_lm_head_logprob_backend="torch", algorithm=AlgorithmConfig(temperature=temperature)
+    )
+
+
 def test_uninstall_gives_skyrl_its_functions_back():
     from skyrl.backends.skyrl_train.distributed.megatron import model_utils
     from skyrl.train.config.config import TrainerConfig

@@ -203,6 +203,25 @@ def test_refused_by_name():
         forward_step(engine(mod), batch)
 
 
+@pytest.mark.parametrize("temperature", [0.0, float("nan")])
+def test_a_bad_temperature_raises_before_the_backbone(temperature):
+    """verl's engine hands the forward its temperature (a float, or a per-token tensor): one
+    the head cannot use is refused by the seam's prepare, before the backbone's forward runs
+    (it was refused inside the head, after the whole backbone)."""
+    model = tiny_model(layers=1)
+    mod = patched(model, "logitless")
+    calls: list[int] = []
+    handle = model.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for temp in (temperature, torch.full((1, 4), temperature)):
+        with pytest.raises(ValueError, match="temperature"):
+            mod(input_ids=ids, temperature=temp)
+    assert calls == []
+    mod(input_ids=ids, temperature=0.5)  # a good one runs the backbone once
+    handle.remove()
+    assert calls == [1]
+
+
 def test_batch_invariant_backend_gives_a_sequence_the_same_bits_in_any_company():
     """verl's exactness check: a sequence's log-probs do not depend on the micro-batch (the
     other sequences, their order, gradients or not). A backbone without decoder layers is

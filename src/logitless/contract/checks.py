@@ -59,13 +59,16 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def finite_number(value: object) -> bool:
+    """A real number (an int or a float, not a bool) that is finite: the one test behind every
+    numeric option's check (temperatures, coefficients, bounds, counts)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def positive_finite_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not finite_number(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite float, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
-    return value
+    return float(value)
 
 
 def optional_positive_float(name: str, value: object) -> float | None:

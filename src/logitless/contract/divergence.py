@@ -19,7 +19,14 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import INT_DTYPES, check_flag, check_full_precision, fmt_shape, optional_positive_float
+from .checks import (
+    INT_DTYPES,
+    check_flag,
+    check_full_precision,
+    finite_number,
+    fmt_shape,
+    optional_positive_float,
+)
 from .collectives import check_then_agree
 from .head import TEACHER_ARGS, HeadCall, check_head_call
 from .options import HeadOptions
@@ -84,7 +91,7 @@ class DivergenceOptions:
 
     def __post_init__(self) -> None:
         b = self.beta
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b <= 1.0:
+        if not finite_number(b) or not 0.0 <= b <= 1.0:
             raise ValueError(
                 f"beta must be a float in [0, 1] (0: KL(teacher||student), 1: "
                 f"KL(student||teacher), else the generalized JSD), got {b!r}"

@@ -31,6 +31,10 @@ from .vocab import VocabParallel
 
 Backend = Literal["auto", "triton", "torch"]
 
+#: The label of a position without a target (PyTorch's and transformers' convention): the
+#: default ``ignore_index`` of every entry point, and the label the integrations write.
+IGNORE_INDEX: int = -100
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -156,7 +160,7 @@ class HeadOptions:
     softcap: float | None = None
     logit_scale: float | None = None
     with_entropy: bool = False
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     chunk_size: int | None = None
     head_dtype: torch.dtype | None = None
     vocab_parallel: VocabParallel | None = None

@@ -58,8 +58,10 @@ from typing import Any
 
 import torch
 
+from ..contract.checks import finite_number
 from ..contract.collectives import agree, fingerprint
 from ..contract.vocab import VocabParallel
+from . import seam
 
 __all__ = [
     "BACKEND",
@@ -106,11 +108,14 @@ def install() -> None:
     ``model_utils`` can be imported (it needs megatron-core)."""
     if importlib.util.find_spec("skyrl") is None:
         return
-    from skyrl.train.config.config import TrainerConfig
+    from skyrl.train.config.config import SkyRLTrainConfig, TrainerConfig
 
     if "post_init" not in _ORIGINAL:
         _ORIGINAL["post_init"] = TrainerConfig.__post_init__
         TrainerConfig.__post_init__ = _post_init
+    if "train_post_init" not in _ORIGINAL:
+        _ORIGINAL["train_post_init"] = SkyRLTrainConfig.__post_init__
+        SkyRLTrainConfig.__post_init__ = _train_post_init
     model_utils = _model_utils()
     if model_utils is not None and "apply" not in _ORIGINAL:
         _ORIGINAL["apply"] = model_utils._fused_lm_head_logprob_apply
@@ -120,9 +125,10 @@ def install() -> None:
 def uninstall() -> None:
     """Give SkyRL back its config check and its dispatch."""
     if "post_init" in _ORIGINAL:
-        from skyrl.train.config.config import TrainerConfig
+        from skyrl.train.config.config import SkyRLTrainConfig, TrainerConfig
 
         TrainerConfig.__post_init__ = _ORIGINAL.pop("post_init")
+        SkyRLTrainConfig.__post_init__ = _ORIGINAL.pop("train_post_init")
     if "apply" in _ORIGINAL:
         _model_utils()._fused_lm_head_logprob_apply = _ORIGINAL.pop("apply")
 
@@ -155,6 +161,32 @@ def _post_init(self) -> None:
         original(self)
     finally:
         self.fused_lm_head_logprob_backend = BACKEND
+    _check_temperature(self)
+
+
+def _train_post_init(self) -> None:
+    """SkyRL's ``SkyRLTrainConfig.__post_init__`` (which copies the sampling temperature into
+    ``trainer.algorithm.temperature`` when unset), then the temperature's check."""
+    _ORIGINAL["train_post_init"](self)
+    _check_temperature(self.trainer)
+
+
+def _check_temperature(trainer: Any) -> None:
+    """SkyRL divides the head's weight by ``trainer.algorithm.temperature`` before the fused
+    head gets it: a temperature of 0 (greedy sampling's) or one that is not finite would give
+    infinite weights and NaN log-probs, so with logitless it is refused when the config is
+    made, before any model runs."""
+    if not (trainer.fused_lm_head_logprob and trainer.fused_lm_head_logprob_backend == _NAME):
+        return
+    t = trainer.algorithm.temperature
+    if t is None:  # set from generator.sampling_params by SkyRLTrainConfig, checked then
+        return
+    if not finite_number(t) or t <= 0:
+        raise ValueError(
+            f"trainer.algorithm.temperature must be finite and > 0 with "
+            f"fused_lm_head_logprob_backend=logitless (SkyRL divides the head weight by it; "
+            f"without an explicit value it is generator.sampling_params.temperature), got {t!r}"
+        )
 
 
 def _fused_lm_head_logprob_apply(backend: str, *args: Any) -> torch.Tensor:
@@ -228,10 +260,10 @@ def logprob_apply(
             f"vocabulary over the tensor-parallel group), got ids in [{-neg_low}, {high}] "
             "on the group's ranks"
         )
-    from ..ops.logprobs.op import linear_logprobs
-
     with torch.set_grad_enabled(torch.is_grad_enabled() and not inference_only):
-        out = linear_logprobs(hidden.to(weight.dtype), weight, target, vocab_parallel=vp)
+        head = seam.Head(weight)
+        prep = seam.prepare(target, head, parallel=seam.Parallelism(vocab=vp))
+        out = seam.logprobs(prep, seam.Tokens(hidden.to(weight.dtype), target), head)
     return out.logprobs.float()
 
 

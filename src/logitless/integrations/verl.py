@@ -27,9 +27,10 @@ row before any Ulysses slicing) or, without them, ``labels`` / ``input_ids`` rol
 the sequence, and returns ``CausalLMOutputForPPO(log_probs=, entropy=)``: fp32 ``[B, T]`` (or
 ``[1, total_nnz / sp]``) tensors, never the ``[tokens, vocab]`` logits. In verl's padded layout,
 positions where ``attention_mask`` is 0 cost nothing and hold 0.0 (verl's engine drops them).
-The head is the seam's (:mod:`logitless.integrations.seam`): :class:`~seam.Tokens` (hidden
-states, labels), :class:`~seam.Head` (``lm_head``'s parameters, the model's softcap or logit
-scale), :func:`seam.logprobs` run as ``lm_head``'s forward (:func:`seam.run_as_forward`).
+The head is the seam's (:mod:`logitless.integrations.seam`): the call checked before the
+backbone (:func:`seam.prepare`), then :class:`~seam.Tokens` (hidden states, labels) and
+:class:`~seam.Head` (``lm_head``'s parameters, the model's softcap or logit scale) to
+:func:`seam.logprobs`, run as ``lm_head``'s forward (:func:`seam.run_head`).
 Under Ulysses sequence parallelism the engine slices the tokens and gathers the outputs; the
 head is token-local, so each rank scores its own slice (no :class:`~seam.Parallelism` of its
 own, see ``_ULYSSES``).
@@ -76,7 +77,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf, hf_model, hf_vlm, seam
+from ..contract.options import IGNORE_INDEX, HeadOptions
+from . import hf, seam
+from .hf import batch as hf_batch
+from .hf import model as hf_model
+from .hf import vlm as hf_vlm
 
 __all__ = [
     "BACKENDS",
@@ -248,10 +253,13 @@ def verl_forward(
     where ``attention_mask`` is 0 hold 0.0. ``batch_invariant``: as in
     :func:`logitless.linear_logprobs`.
 
-    The head call is the seam's (:mod:`logitless.integrations.seam`): the backbone's hidden
-    states and the labels are :class:`~seam.Tokens`, ``lm_head``'s parameters and the model's
-    logit transform a :class:`~seam.Head`, and :func:`seam.logprobs` runs inside ``lm_head``'s
-    own forward (:func:`seam.run_as_forward`), so an FSDP2 unit of its own is gathered for it.
+    The head call is the seam's (:mod:`logitless.integrations.seam`), in its two phases: the
+    labels, options and ``lm_head``'s parameters (stand-ins of a sharded weight) are checked
+    before the backbone runs (:func:`seam.prepare`), then the backbone's hidden states and the
+    labels (:class:`~seam.Tokens`) and ``lm_head``'s parameters with the model's logit
+    transform (:class:`~seam.Head`) go to :func:`seam.logprobs`, run as ``lm_head``'s forward
+    when FSDP2 shards it as a unit of its own (:func:`seam.run_head`), so its weight is
+    gathered for it.
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
@@ -269,10 +277,21 @@ def verl_forward(
     )
     if input_ids is None:
         raise ValueError("impl_backend=logitless needs input_ids (inputs_embeds is not supported)")
-    lm_head, _, _ = hf.check_model(model)
+    hf.check_model(model)
+    hf_batch.check_token_range(input_ids, model, capturable=False)
     packed = _check_cu_seqlens(model, input_ids, cu_seqlens, cu_seqlens_cpu)
     _check_inputs(model, input_ids, attention_mask, position_ids, media, boundaries=bool(packed))
     labels = _labels(input_ids, attention_mask, labels, shift_labels)
+    # The head call checked before the backbone runs (the seam's first phase): under
+    # autocast the projection runs in lm_head's dtype, the autocast one
+    head = hf_model.head_for_checks(model)
+    options = HeadOptions(
+        with_entropy=True,
+        temperature=temperature,
+        batch_invariant=batch_invariant,
+        head_dtype=hf_model.autocast_dtype(head.weight.device),
+    )
+    prep = seam.prepare(labels, head, options, parallel=_ULYSSES)
     # The backbone as verl's own fused forwards call it, no cache: a vision-language model's
     # ``model.model`` (verl's own forward of it after apply_monkey_patch) with its image inputs.
     backbone = model.model(
@@ -284,26 +303,10 @@ def verl_forward(
         **media,
     )
     tokens = seam.Tokens(backbone.last_hidden_state, labels)
-    options = dict(
-        with_entropy=True,
-        temperature=temperature,
-        ignore_index=_IGNORE,
-        batch_invariant=batch_invariant,
-        head_dtype=hf_model.autocast_dtype(tokens.hidden.device),  # lm_head's, under autocast
-    )
-
-    def head_call(_hidden: torch.Tensor):  # as lm_head's forward: its parameters gathered
-        head = hf_model.head(model)  # read here: lm_head's parameters as its forward sees them
-        with torch.autocast(tokens.hidden.device.type, enabled=False):
-            return seam.logprobs(tokens, head, _ULYSSES, **options)
-
-    _, out = seam.run_as_forward(
-        lm_head, head_call, lambda: lm_head(tokens.hidden), caller="verl_forward"
-    )
+    # as lm_head's forward where FSDP2 shards it apart: its parameters gathered for the call
+    out = hf_model.with_head(model, lambda t, h: seam.logprobs(prep, t, h), tokens)
     return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
 
-
-_IGNORE = -100
 
 #: The head's parallelism in verl's FSDP engine, with or without Ulysses: none of its own.
 #: Ulysses hands each rank a contiguous slice of the packed row at full width and its slice of
@@ -416,7 +419,7 @@ def _labels(
         targets = torch.roll(input_ids, shifts=-1, dims=-1)
     targets = targets.to(torch.int64)
     if attention_mask is not None:
-        targets = targets.masked_fill(~attention_mask.bool(), _IGNORE)
+        targets = targets.masked_fill(~attention_mask.bool(), IGNORE_INDEX)
     return targets
 
 
@@ -569,17 +572,13 @@ def megatron_forward(
         )
         if v is not None
     }
-    own = vars(model).pop("forward", None)  # verl set this function on the instance
-    try:
+    with seam.class_forward(model):  # verl set this function on the instance: set it aside
         if not model.post_process:
             return GPTModel.forward(model, *args, packed_seq_params=packed_seq_params, **extra)
         out = mg.logprobs(
             model, *args, labels, loss_mask=loss_mask, packed_seq_params=packed_seq_params,
             with_entropy=True, temperature=temperature, **extra,
         )  # fmt: skip
-    finally:
-        if own is not None:
-            model.forward = own
     from verl.utils.model import CausalLMOutputForPPO
 
     return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)

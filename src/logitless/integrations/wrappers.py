@@ -38,12 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import deepspeed
-from .seam import run_as_forward
-
-try:  # FSDP2 (torch >= 2.6 exports it here)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - torch builds without distributed
-    FSDPModule = ()  # type: ignore[assignment,misc]
+from .seam import FSDPModule, run_as_forward
 
 __all__ = ["Unwrapped", "run_in_forward", "unwrap"]
 

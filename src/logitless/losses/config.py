@@ -7,9 +7,9 @@ are plain strings so a config round-trips through YAML/JSON unchanged.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from ..contract.checks import finite_number
 from .aggregation import AGGREGATIONS as _AGGREGATIONS
 from .kl import KL_ESTIMATORS as _KL_ESTIMATORS
 from .mismatch import SEQUENCE_STATISTICS as _SEQUENCE_STATISTICS
@@ -41,7 +41,7 @@ def _choice(field: str, value: object, choices: tuple) -> None:
 def _number(
     field: str, value: object, *, minimum: float | None = None, strict: bool = False
 ) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not finite_number(value):
         raise ValueError(f"{field} must be a finite number, got {value!r}")
     if minimum is not None and (value <= minimum if strict else value < minimum):
         op = ">" if strict else ">="
@@ -58,8 +58,7 @@ def _band(field: str, value: object) -> None:
     if (
         not isinstance(value, (tuple, list))
         or len(value) != 2
-        or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value)
-        or not all(math.isfinite(v) for v in value)
+        or not all(finite_number(v) for v in value)
         or not 0 <= value[0] < value[1]
     ):
         raise ValueError(f"{field} must be a pair (low, high) with 0 <= low < high, got {value!r}")

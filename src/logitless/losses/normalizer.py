@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..contract import collectives
-from ..contract.checks import check_flag
+from ..contract.checks import check_flag, finite_number
 from ._segments import (
     Segments,
     assert_segments,
@@ -58,12 +57,7 @@ class LossNormalizer:
             if isinstance(v, torch.Tensor):
                 if v.numel() != 1 or v.dtype == torch.bool:
                     raise ValueError(f"{name} must be a scalar tensor or number, got {v!r}")
-            elif (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not math.isfinite(v)
-                or v < 0
-            ):
+            elif not finite_number(v) or v < 0:
                 raise ValueError(
                     f"{name} must be a finite number >= 0 or a scalar tensor, got {v!r}"
                 )
@@ -71,7 +65,7 @@ class LossNormalizer:
 
 
 def _check_loss_scale(v: object) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+    if not finite_number(v) or v <= 0:
         raise ValueError(
             f"loss_scale must be a finite number > 0 (the number of ranks DDP/FSDP average "
             f"gradients over, or 1), got {v!r}"

@@ -29,6 +29,7 @@ from ...backends.base import RowBatch
 from ...contract.divergence import TeacherTopK
 from ...contract.head import HeadCall, check_head_call
 from ...contract.options import (
+    IGNORE_INDEX,
     Backend,
     HeadOptions,
     SamplerOptions,
@@ -65,7 +66,7 @@ def fused_policy_loss(
     logit_scale: float | None = None,
     head_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     document_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,

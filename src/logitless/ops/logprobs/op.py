@@ -9,6 +9,7 @@ import torch
 
 from ...contract.head import HeadCall, check_head_call
 from ...contract.options import (
+    IGNORE_INDEX,
     Backend,
     HeadOptions,
     SamplerOptions,
@@ -35,7 +36,7 @@ def linear_logprobs(
     softcap: float | None = None,
     logit_scale: float | None = None,
     with_entropy: bool = False,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     vocab_parallel: VocabParallel | None = None,

@@ -16,15 +16,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..contract.checks import fmt_shape as _shape
-from ..packing import (
+from ...contract.checks import fmt_shape as _shape
+from ...packing import (
     cu_seqlens_to_position_ids,
     labels_within_documents,
     next_token_labels,
     position_documents,
 )
-from .hf_model import Backbone, run_backbone
-from .hf_vlm import check_backbone_inputs, text_positions
+from .model import Backbone, run_backbone
+from .vlm import check_backbone_inputs, text_positions
 
 __all__ = [
     "MASK_DTYPES",
@@ -33,6 +33,7 @@ __all__ = [
     "ModelBatch",
     "batch_labels",
     "check_input_ids",
+    "check_token_range",
     "check_like_ids",
     "check_model_inputs",
     "check_position_ids",
@@ -54,6 +55,24 @@ def check_input_ids(input_ids: object) -> torch.Tensor:
             f"{input_ids.dtype} and shape {_shape(input_ids)}"
         )
     return input_ids
+
+
+def check_token_range(input_ids: torch.Tensor, lm: nn.Module, capturable: bool) -> None:
+    """Every id of ``input_ids`` is a row of ``lm``'s input embedding, ``[0, V)``: named here,
+    before the backbone (whose embedding lookup would fail) and before the targets built from
+    them are checked as labels. One host read (``capturable``: a device-side assertion)."""
+    embedding = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    vocab = getattr(embedding, "num_embeddings", None)
+    if not isinstance(vocab, int) or not input_ids.numel():
+        return
+    message = f"input_ids must be token ids in [0, {vocab}) (the model's input embedding)"
+    if capturable:
+        bad = ((input_ids < 0) | (input_ids >= vocab)).any()
+        torch._assert_async(~bad, message)
+        return
+    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{message}, got ids in [{low}, {high}]")
 
 
 def check_like_ids(
@@ -91,7 +110,7 @@ POS_DTYPES = (torch.int32, torch.int64)
 def check_position_ids(position_ids: object, input_ids: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` position ids, or multimodal rotary ones ``[3, B, T]`` / ``[4, B, T]`` (text
     positions first) as the Qwen vision-language models take them; which rank a model takes is
-    checked with the model (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`)."""
+    checked with the model (:func:`~logitless.integrations.hf.vlm.check_backbone_inputs`)."""
     if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
         if position_ids.shape[0] not in (3, 4) or position_ids.shape[1:] != input_ids.shape:
             raise ValueError(

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from ..contract.checks import check_flag
-from . import hf
-from .trl_common import CompletionLayout, completion_batch, distributed_problem
+from ...contract.checks import check_flag
+from .. import hf
+from .common import CompletionLayout, completion_batch, distributed_problem
 
 try:
     from trl import DistillationTrainer

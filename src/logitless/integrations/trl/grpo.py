@@ -5,7 +5,7 @@ Switching is one line::
     from logitless.integrations.trl import LogitlessGRPOTrainer as GRPOTrainer
 
 (``LogitlessDistillationTrainer``, TRL's ``DistillationTrainer`` on logitless, is described in
-:mod:`logitless.integrations.trl_distillation`.)
+:mod:`logitless.integrations.trl.distillation`.)
 
 ``LogitlessGRPOTrainer`` is a ``trl.GRPOTrainer`` whose two log-prob paths run on logitless
 (a trainer subclass of your own gets the same from :class:`LogitlessGRPOMixin`):
@@ -68,14 +68,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..contract.checks import check_flag
-from ..contract.options import HeadOptions
-from ..losses import LossNormalizer, PolicyLossConfig
-from ..ops.fused_loss.op import fused_policy_loss
-from ..ops.logprobs.op import linear_logprobs
-from . import hf, hf_model, hf_vlm
-from .seam import Head
-from .trl_common import CompletionLayout, completion_batch, distributed_problem
+from ...contract.checks import check_flag
+from ...contract.options import HeadOptions
+from ...losses import LossNormalizer, PolicyLossConfig
+from .. import hf, seam
+from ..hf import model as hf_model
+from ..hf import vlm as hf_vlm
+from ..seam import Head, LossInputs, Prepared, Tokens
+from .common import CompletionLayout, completion_batch, distributed_problem
 
 try:
     import trl
@@ -88,11 +88,8 @@ except ImportError as e:  # pragma: no cover - exercised only without TRL
 
 __all__ = [
     "TESTED_TRL",
-    "LogitlessDistillationMixin",
-    "LogitlessDistillationTrainer",
     "LogitlessGRPOMixin",
     "LogitlessGRPOTrainer",
-    "check_distillation",
     "check_trainer",
     "grpo_loss_config",
 ]
@@ -480,13 +477,19 @@ class _Step(NamedTuple):
     entropies: torch.Tensor | None
 
 
-def _head_kwargs(head: Head, options: HeadOptions) -> dict:
-    """The head op's arguments for ``lm_head(h) / temperature`` as the model computes it (the
-    seam :class:`~logitless.integrations.seam.Head`'s bias, softcap and logit scale) and the
-    step's ``options``: the temperature, the autocast dtype lm_head would run in
-    (``head_dtype``) and the trainer's ``batch_invariant``."""
-    picked = ("temperature", "head_dtype", "batch_invariant")
-    return dict(**head.options(), **{k: getattr(options, k) for k in picked})
+class _HeadStep(NamedTuple):
+    """What the head's part of one micro-batch reads besides the hidden states and the head:
+    the call prepared before the backbone (log-probs and entropies, TRL's temperature), TRL's
+    batch and options, the loss config, the mode, the completion layout, and the step so far
+    (mask, advantages, the MoE router loss)."""
+
+    prep: Prepared
+    inputs: dict
+    opts: _Options
+    config: PolicyLossConfig
+    mode: str
+    layout: CompletionLayout
+    step: _Step
 
 
 class LogitlessGRPOMixin:
@@ -577,74 +580,72 @@ class LogitlessGRPOMixin:
         self, lm, inputs, opts: _Options, config, mode: str, layout: CompletionLayout
     ):
         """One micro-batch's loss on the unwrapped model ``lm``, inside the wrapper's forward:
-        the backbone once, a no-grad head pass for the current log-probs and entropies (TRL's
-        metrics and masks, and the old log-probs on-policy), then the fused loss."""
+        the head call prepared (checked) first, the backbone once, then a no-grad head pass for
+        the current log-probs and entropies (TRL's metrics and masks, and the old log-probs
+        on-policy) and the fused loss, as ``lm_head``'s forward."""
         input_ids, attention_mask, mask = completion_batch(inputs)
         labels = hf.causal_lm_labels(
             input_ids, attention_mask=attention_mask, response_mask=layout.response_mask(mask)
         )
         with self.accelerator.autocast():
+            head = hf_model.head_for_checks(lm)
+            options = HeadOptions(
+                temperature=float(opts.temperature),
+                with_entropy=True,
+                head_dtype=hf_model.autocast_dtype(head.weight.device),  # lm_head's dtype
+                batch_invariant=self.logitless_batch_invariant,
+            )
+            prep = seam.prepare(labels, head, options)  # before the backbone
             images = _check_multimodal({k: inputs.get(k) for k in _TRL_MULTIMODAL})
             images = _image_rows(images, slice(0, input_ids.shape[0]))
             out = hf_model.run_backbone(
                 lm, input_ids, attention_mask, None, images, router_logits=self.aux_loss_enabled
             )
-            head_options = HeadOptions(
-                temperature=float(opts.temperature),
-                head_dtype=hf_model.autocast_dtype(out.hidden.device),
-                batch_invariant=self.logitless_batch_invariant,
-            )
         aux = None
         if out.router_logits is not None:
             aux = hf_model.router_aux_loss(lm, out.router_logits, attention_mask)
         step = _Step(None, aux, None, None, inputs["advantages"], mask, None, None)
-        head_step = self._logitless_head_step  # the head's parameters gathered (FSDP2)
-        return hf_model.with_head(lm, head_step, out.hidden, labels, head_options, inputs, opts,
-                                  config, mode, layout, step)  # fmt: skip
+        args = _HeadStep(prep, inputs, opts, config, mode, layout, step)
+        # the head's parameters gathered (FSDP2's lm_head unit, ZeRO-3) for the head's calls
+        return hf_model.with_head(
+            lm,
+            lambda tokens, head: self._logitless_head_step(tokens, head, args),
+            Tokens(out.hidden, labels),
+        )
 
-    def _logitless_head_step(
-        self, head, hidden, labels, head_options, inputs, opts: _Options, config, mode, layout,
-        step,
-    ):  # fmt: skip
+    def _logitless_head_step(self, tokens: Tokens, head: Head, args: _HeadStep) -> _Step:
         """The head's part of :meth:`_logitless_step`: a no-grad pass, TRL's masks, the loss."""
-        head_kwargs = _head_kwargs(head, head_options)
-        mask = step.mask
-        with torch.autocast(hidden.device.type, enabled=False):
-            with torch.no_grad():  # current log-probs and entropies: one head pass, no grad
-                now = linear_logprobs(
-                    hidden.detach(), head.weight, labels, with_entropy=True, **head_kwargs
-                )
-            logps = layout.to_trl(now.logprobs)  # [B, C]
-            entropies = layout.to_trl(now.entropy)  # [B, C]
-            old = inputs.get("old_per_token_logps")
-            old = logps if old is None else old  # on-policy: π_old = sg(π_θ)
-            advantages = step.advantages
-            if advantages.dim() == 1:
-                advantages = advantages.unsqueeze(1)
-            token_advantages = self._logitless_advantages(
-                opts, inputs, advantages, logps, old, entropies, mask
-            )
-            rollout = None
-            if opts.vllm_is:  # vLLM could not score some tokens (NaN): no correction there
-                sampling = inputs["sampling_per_token_logps"]
-                rollout = layout.to_full(torch.where(torch.isnan(sampling), old, sampling))
-            ref = inputs.get("ref_per_token_logps") if opts.beta != 0.0 else None
+        opts, layout, inputs, step = args.opts, args.layout, args.inputs, args.step
+        with torch.no_grad():  # current log-probs and entropies: one head pass, no grad
+            now = seam.logprobs(args.prep, Tokens(tokens.hidden.detach(), tokens.labels), head)
+        logps = layout.to_trl(now.logprobs)  # [B, C]
+        entropies = layout.to_trl(now.entropy)  # [B, C]
+        old = inputs.get("old_per_token_logps")
+        old = logps if old is None else old  # on-policy: π_old = sg(π_θ)
+        advantages = step.advantages
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        token_advantages = self._logitless_advantages(
+            opts, inputs, advantages, logps, old, entropies, step.mask
+        )
+        rollout = None
+        if opts.vllm_is:  # vLLM could not score some tokens (NaN): no correction there
+            sampling = inputs["sampling_per_token_logps"]
+            rollout = layout.to_full(torch.where(torch.isnan(sampling), old, sampling))
+        ref = inputs.get("ref_per_token_logps") if opts.beta != 0.0 else None
 
-            normalizer, entropy_scale = self._logitless_normalizer(opts, inputs, mask, mode)
-            if opts.entropy_bonus:
-                config = dataclasses.replace(config, entropy_coef=self.entropy_coef * entropy_scale)
-            loss, _ = fused_policy_loss(
-                hidden,
-                head.weight,
-                labels,
-                layout.to_full(old.float()),
-                layout.to_full(token_advantages),
-                config=config,
-                ref_logprobs=None if ref is None else layout.to_full(ref.float()),
-                rollout_logprobs=rollout,
-                normalizer=normalizer,
-                **head_kwargs,
-            )
+        normalizer, entropy_scale = self._logitless_normalizer(opts, inputs, step.mask, args.mode)
+        config = args.config
+        if opts.entropy_bonus:
+            config = dataclasses.replace(config, entropy_coef=self.entropy_coef * entropy_scale)
+        loss_inputs = LossInputs(
+            layout.to_full(old.float()),
+            layout.to_full(token_advantages),
+            ref_logprobs=None if ref is None else layout.to_full(ref.float()),
+            rollout_logprobs=rollout,
+        )
+        prep = args.prep.with_loss(loss_inputs, config, normalizer)
+        loss, _ = seam.policy_loss(prep, tokens, head)
         return step._replace(
             loss=loss, logps=logps, old=old, advantages=advantages, ref=ref, entropies=entropies
         )
@@ -751,11 +752,3 @@ class LogitlessGRPOTrainer(LogitlessGRPOMixin, GRPOTrainer):
     Same constructor, options, training loop and logged metrics; see the module doc for what
     changes (no ``[tokens, vocab]`` logits) and what is refused.
     """
-
-
-# The distillation trainer lives in its own module; importable from here like the GRPO one.
-from .trl_distillation import (  # noqa: E402
-    LogitlessDistillationMixin,
-    LogitlessDistillationTrainer,
-    check_distillation,
-)

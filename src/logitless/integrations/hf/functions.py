@@ -1,63 +1,6 @@
-"""HF transformers causal LMs: per-token log-probs and policy losses, never the logits path.
-
-``model(input_ids, ...).logits`` projects *every* position of the batch through the LM head,
-``[B, T, V]`` in the model's dtype, before anything selects the tokens you train on. The
-functions here run the model's backbone instead (``model.model``: embeddings, decoder layers
-and the final norm), then hand the final hidden states and the head's own parameters to
-:func:`logitless.linear_logprobs` / :func:`logitless.fused_policy_loss`. No model code is
-patched and ``lm_head`` is never called; gradients reach every parameter of the model,
-including an input embedding tied to the head (its two gradients sum into one ``.grad``).
-
-**Which models.** Only classes whose ``forward`` has been read and whose results the tests
-compare with ``model(...).logits`` (see :data:`SUPPORTED_MODELS`): the logits are
-``lm_head(final hidden states)``, plus Gemma-2/3's final-logit soft-capping (passed to the op
-as ``softcap``) or Cohere's / Granite's constant logit scale (passed as ``logit_scale``); the
-mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral) add their router's load-balancing
-loss to :func:`causal_lm_policy_loss` as their forward does. The vision-language classes
-(Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, Gemma-3, LLaVA:
-:mod:`~logitless.integrations.hf_vlm`) take their image inputs by their own names in
-``**model_kwargs`` and Qwen's multimodal ``[3, B, T]`` position ids; their head is the same.
-Anything else, including a subclass that overrides ``forward`` and a head that is not a
-plain ``nn.Linear`` (LoRA on ``lm_head``, quantized heads), is refused with ``ValueError``
-rather than risk different numbers.
-
-**Wrapped models.** ``DistributedDataParallel``, FSDP2 (``fully_shard``) and PEFT LoRA models
-are accepted as they are: the backbone and the head run inside the outermost wrapper's
-forward (:func:`run_in_forward`), so gradients are reduced as for ``model(...)``; so are
-DeepSpeed engines (under ZeRO-3 the head gathers its own weight:
-:mod:`logitless.integrations.deepspeed`). FSDP1 and DeepSpeed offload are refused
-(:mod:`logitless.integrations.wrappers`).
-
-**Alignment.** Results have ``input_ids``' shape ``[B, T]`` and are aligned like HF's logits:
-position ``t`` holds ``log p(target_ids[:, t] | input_ids[:, :t + 1])``, with the default
-targets ``target_ids[:, t] = input_ids[:, t + 1]`` (:func:`causal_lm_labels`). Positions
-without a target are 0.0 and cost nothing: they are dropped before the head projection. The
-targets are named ``target_ids``, not ``labels``: transformers' ``labels`` are *unshifted*
-(``model(input_ids, labels=input_ids)`` shifts them itself), so ``labels=`` is refused with
-that explanation; ``causal_lm_labels(hf_labels)`` turns HF-style labels into targets.
-
-**Keyword arguments.** logitless's options are named parameters of each function;
-``**model_kwargs`` are the backbone's own arguments and nothing else (transformers' backbones
-drop names they do not know). A name that logitless knows (a parameter of any of its public
-functions or classes: ``top_k``, ``capturable``, ``teacher_softcap``, ``distill_beta``, ...)
-and the called function does not take raises ``TypeError`` naming it.
-
-**Padding and packing.** Labels never cross a padding token (``attention_mask == 0``) or a
-document boundary (``position_ids`` restarting at 0, or ``cu_seqlens``). Whether *attention*
-keeps the documents of a packed row apart is the model's business, not logitless': in
-transformers 5, sdpa / eager / flash attention do when a row's ``position_ids`` restart at 0,
-no ``attention_mask`` is given and no KV cache is used (the backbone runs with
-``use_cache=False`` here, as training does); with an ``attention_mask`` they do not. Either
-way the head gives exactly what ``model(..., use_cache=False).logits`` would for the same
-arguments.
-
-**How it is built** (docs/development.md, "One seam for every integration"): this module holds
-the public entry points, which check their arguments and run the work as the outermost
-wrapper's forward; :mod:`~logitless.integrations.hf_model` says what an audited model hands
-the head (its :class:`~logitless.integrations.seam.Head`, the backbone call, the MoE router
-loss), :mod:`~logitless.integrations.hf_batch` builds the targets, and
-:mod:`~logitless.integrations.hf_seam` runs the head on them.
-"""
+"""The HF integration's public entry points (re-exported by :mod:`logitless.integrations.hf`,
+whose docstring describes them): each checks its arguments, then runs the backbone and the head
+as the outermost wrapper's forward (:mod:`~logitless.integrations.hf.forward`)."""
 
 from __future__ import annotations
 
@@ -68,12 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..contract.options import Backend, HeadOptions, SamplerOptions, given_arguments
-from ..losses import LossNormalizer, PolicyLossConfig
-from ..sampling import SamplingMask
-from ..types import Divergence, LogProbs
-from . import hf_seam
-from .hf_batch import (
+from ...contract.divergence import DivergenceOptions
+from ...contract.options import IGNORE_INDEX, Backend, HeadOptions, SamplerOptions, given_arguments
+from ...losses import LossNormalizer, PolicyLossConfig
+from ...sampling import SamplingMask
+from ...types import Divergence, LogProbs
+from ..seam import LossInputs
+from ..wrappers import run_in_forward, unwrap
+from . import forward
+from .batch import (
     MASK_DTYPES,
     ModelBatch,
     batch_labels,
@@ -81,17 +27,14 @@ from .hf_batch import (
     check_like_ids,
     check_position_ids,
 )
-from .hf_model import (
+from .model import (
     SUPPORTED_MODELS,
     CausalLMHead,
-    autocast_dtype,  # noqa: F401  (a name of this module before the split; trl used it)
     causal_lm_head,
     causal_lm_router_aux_coef,
     check_model,
     run_backbone,
 )
-from .seam import LossInputs
-from .wrappers import run_in_forward, unwrap
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -140,7 +83,7 @@ def causal_lm_labels(
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Next-token labels of a ``[B, T]`` batch, aligned like HF logits (the default labels).
 
@@ -264,7 +207,7 @@ def causal_lm_logprobs(
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     backend: Backend = "auto",
     sampling_mask: SamplingMask | torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
@@ -349,7 +292,7 @@ def causal_lm_logprobs(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
     options, sampler = HeadOptions.pick(given), SamplerOptions.pick(given)
-    return run_in_forward(model, hf_seam.logprobs_in_forward, batch, options, sampler, model_kwargs)
+    return run_in_forward(model, forward.logprobs_in_forward, batch, options, sampler, model_kwargs)
 
 
 @given_arguments
@@ -374,7 +317,7 @@ def causal_lm_policy_loss(
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     backend: Backend = "auto",
     sampling_mask: SamplingMask | torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
@@ -466,12 +409,12 @@ def causal_lm_policy_loss(
         check_model(teacher)
         with torch.no_grad():
             t_hidden, t_head = run_in_forward(
-                teacher, hf_seam.teacher_in_forward, batch, model_kwargs
+                teacher, forward.teacher_in_forward, batch, model_kwargs
             )
         inputs = inputs.replace(teacher=t_head.as_teacher(t_hidden))
-    loss_options = hf_seam.LossOptions(config, normalizer, router_aux_loss_coef)
+    loss_options = forward.LossOptions(config, normalizer, router_aux_loss_coef)
     return run_in_forward(
-        model, hf_seam.policy_loss_in_forward, batch, options, SamplerOptions.pick(given),
+        model, forward.policy_loss_in_forward, batch, options, SamplerOptions.pick(given),
         model_kwargs, inputs, loss_options,
     )  # fmt: skip
 
@@ -500,7 +443,7 @@ def causal_lm_divergence(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     backend: Backend = "auto",
     batch_invariant: bool = False,
     **model_kwargs: Any,
@@ -549,20 +492,19 @@ def causal_lm_divergence(
     torch.Size([2, 6])
     >>> out.divergence.sum().backward()          # gradients reach the student's parameters
     """
-    options = HeadOptions.pick(given)
     _check_model_kwargs("causal_lm_divergence", model_kwargs)
+    options, div = HeadOptions.pick(given), DivergenceOptions.pick(given)
     batch = ModelBatch(
         input_ids, attention_mask, position_ids, cu_seqlens, target_ids, response_mask
     )
-    for m in (model, teacher):
-        check_model(m)
-        batch.check_backbone(unwrap(m).model, model_kwargs)
-    labels = batch.targets(ignore_index, False)
+    check_model(teacher)
+    batch.check_backbone(unwrap(teacher).model, model_kwargs)
+    # the student's call, checked before either backbone runs
+    prep = forward.prepare(unwrap(model).model, batch, options, SamplerOptions(), model_kwargs)
     with torch.no_grad():
-        t_hidden, t_head = run_in_forward(teacher, hf_seam.teacher_in_forward, batch, model_kwargs)
-    div = hf_seam.DivergenceArgs(beta, with_logprobs, vocab_size)
-    args = (batch, labels, t_hidden, t_head, options, div, model_kwargs)
-    return run_in_forward(model, hf_seam.divergence_in_forward, *args)
+        t_out = run_in_forward(teacher, forward.teacher_in_forward, batch, model_kwargs)
+    args = (batch, prep, t_out, div, model_kwargs)
+    return run_in_forward(model, forward.divergence_in_forward, *args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,8 +534,6 @@ def _logitless_names() -> dict[str, tuple[str, ...]]:
     this module's ``__all__``, and the option types every entry point builds (so an option
     added there is known here without a line more)."""
     import logitless  # the package is fully imported before any of its submodules' code runs
-
-    from ..contract.divergence import DivergenceOptions
 
     sources = [(f"logitless.{n}", getattr(logitless, n)) for n in logitless.__all__]
     sources += [(f"hf.{n}", globals()[n]) for n in __all__]

@@ -1,18 +1,19 @@
 """The HF integration's model side: what a transformers causal LM hands the head.
 
 Package-internal (the public names are re-exported by :mod:`logitless.integrations.hf`); the
-TRL trainers and the verl backend import it by name instead of reaching into ``hf``'s private
-functions. It answers, for an audited transformers model, two of the seam's questions
+TRL trainers and the verl backend import it by name (``logitless.integrations.hf.model``). It
+answers, for an audited transformers model, two of the seam's questions
 (:mod:`logitless.integrations.seam`):
 
 - **The weight and its transform.** :data:`SUPPORTED_MODELS` (the audited table: each class's
   forward read, its logits ``lm_head(final hidden states)`` plus a softcap or a logit scale),
   :func:`check_model`, :func:`causal_lm_head` and :func:`head` (the same as a
-  :class:`~logitless.integrations.seam.Head`).
-- **Where the head runs.** :func:`with_head`: inside ``lm_head``'s own forward when FSDP2
-  shards it as a unit of its own, so its weight is gathered for the call; under DeepSpeed
-  ZeRO-3 its weight gathered for as long as the head needs it
-  (:mod:`~logitless.integrations.deepspeed`).
+  :class:`~logitless.integrations.seam.Head`; :func:`head_for_checks`, with stand-ins of a
+  sharded weight, before the backbone runs).
+- **Where the head runs.** :func:`with_head`: :func:`seam.run_head
+  <logitless.integrations.seam.run_head>` with ``lm_head`` as the owner (its own forward when
+  FSDP2 shards it as a unit of its own, so its weight is gathered for the call; under
+  DeepSpeed ZeRO-3 its weight held whole for as long as the head needs it).
 
 and says how the hidden states are made: :func:`run_backbone` (``model.model(...)`` as the
 audited forwards call it, with the MoE router logits when asked for) and
@@ -22,7 +23,6 @@ audited forwards call it, with the MoE router logits when asked for) and
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -30,10 +30,11 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch import nn
 
-from ..contract.checks import is_dtensor
-from . import deepspeed, hf_vlm
-from .seam import Head
-from .wrappers import FSDPModule, run_in_forward, unwrap
+from ...contract.checks import finite_number, is_dtensor
+from .. import deepspeed, seam
+from ..seam import Head, Tokens
+from ..wrappers import unwrap
+from . import vlm
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -113,7 +114,7 @@ _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
     "Qwen3MoeForCausalLM": _no_transform,
     "MixtralForCausalLM": _no_transform,
     # the hybrid linear-attention models (transformers 5.24): one document per row
-    # (hf_vlm.RECURRENT_ROWS); what AutoModelForCausalLM loads from a Qwen3.5 checkpoint
+    # (vlm.RECURRENT_ROWS); what AutoModelForCausalLM loads from a Qwen3.5 checkpoint
     "Qwen3_5ForCausalLM": _no_transform,
     "Qwen3_5MoeForCausalLM": _no_transform,
     "Qwen3NextForCausalLM": _no_transform,
@@ -121,7 +122,7 @@ _AUDITED: dict[str, Callable[[nn.Module], tuple[float | None, float]]] = {
 
 # The vision-language classes (read and tested like the text ones; tests/test_hf_vlm.py):
 # their forward calls model.model with the image inputs, then lm_head, with no transform.
-_AUDITED.update({name: vl.transform for name, vl in hf_vlm.AUDITED.items()})
+_AUDITED.update({name: vl.transform for name, vl in vlm.AUDITED.items()})
 
 #: Names of the transformers classes the functions of this module accept.
 SUPPORTED_MODELS: tuple[str, ...] = tuple(sorted(_AUDITED))
@@ -211,9 +212,9 @@ def check_model(model: nn.Module) -> tuple[nn.Linear, float | None, float]:
             "reproduce it"
         )
     softcap, scale = transform(model)
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (finite_number(softcap) and softcap > 0):
         raise ValueError(f"{cls.__name__}: final_logit_softcapping must be > 0, got {softcap}")
-    if not (math.isfinite(scale) and scale > 0):
+    if not (finite_number(scale) and scale > 0):
         raise ValueError(f"{cls.__name__}: the logit scale must be finite and > 0, got {scale}")
     return head, softcap, scale
 
@@ -238,32 +239,25 @@ def head(model: nn.Module) -> Head:
 
 
 def head_for_checks(model: nn.Module) -> Head:
-    """The head as the checks before the backbone see it: the parameters themselves, or when
-    FSDP2 shards ``lm_head`` as a unit of its own (accelerate does), stand-ins of its gathered
-    parameters (the real ones exist inside its forward, see :func:`with_head`)."""
+    """The head as the checks before the backbone see it: the parameters themselves, or
+    stand-ins of a sharded one's whole parameters (FSDP2's DTensor, outside the forward that
+    gathers it; ZeRO-3's partition): their shape, dtype, device and requires_grad (the real
+    ones exist inside the forward, see :func:`with_head`)."""
     lm_head, softcap, scale = check_model(model)
     own = deepspeed.own_params(lm_head)
-    if deepspeed.is_zero3(own["weight"]):  # ZeRO-3: gathered by with_head
-        stand_ins = (deepspeed.stand_in(own["weight"]), deepspeed.stand_in(own.get("bias")))
-        return _seam_head(CausalLMHead(*stand_ins, softcap, scale))
-    if not isinstance(lm_head, FSDPModule):
-        return head(model)
-    return _seam_head(
-        CausalLMHead(_stand_in(lm_head.weight), _stand_in(lm_head.bias), softcap, scale)
-    )
+    weight, bias = (_stand_in(deepspeed.stand_in(own.get(k))) for k in ("weight", "bias"))
+    return _seam_head(CausalLMHead(weight, bias, softcap, scale))
 
 
-def with_head(lm: nn.Module, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(head(lm), *args)`` with the head's parameters ready: run as ``lm_head``'s forward
-    (:func:`~logitless.integrations.wrappers.run_in_forward`), which, when FSDP2 shards it as a
-    unit of its own, gathers its weight once for the call and reduce-scatters its gradient
-    after backward; under DeepSpeed ZeRO-3, gathered for as long as the head needs it
-    (:func:`~logitless.integrations.deepspeed.run_gathered`); else a plain call."""
+def with_head(lm: nn.Module, fn: Callable[[Tokens, Head], T], tokens: Tokens) -> T:
+    """``fn(tokens, head(lm))``, the head's parameters read where they are whole: run by
+    :func:`seam.run_head <logitless.integrations.seam.run_head>` as ``lm_head``'s forward
+    when FSDP2 shards it as a unit of its own (its weight gathered once for the call, its
+    gradient reduce-scattered after backward), under DeepSpeed ZeRO-3 with its parameters
+    held whole for as long as the head needs them; else a plain call."""
     lm_head = lm.lm_head
     params = deepspeed.own_params(lm_head).values()
-    return run_in_forward(
-        lm_head, lambda _: deepspeed.run_gathered(params, lambda *a: fn(head(lm), *a), *args)
-    )
+    return seam.run_head(lm_head, lambda t: fn(t, head(lm)), tokens, gather=params)
 
 
 def backbone_module(model: nn.Module) -> nn.Module:
@@ -301,11 +295,11 @@ def run_backbone(
     router_logits: bool = False,
 ) -> Backbone:
     """``lm.model(...)`` as the audited forwards call it (``use_cache=False``), after the
-    checks of what it gets (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`:
+    checks of what it gets (:func:`~logitless.integrations.vlm.check_backbone_inputs`:
     image inputs only for the classes that take them, matching ``input_ids``; position ids of
     the rank the model's rope takes)."""
     audited_class(lm)
-    hf_vlm.check_backbone_inputs(lm, input_ids, attention_mask, position_ids, model_kwargs)
+    vlm.check_backbone_inputs(lm, input_ids, attention_mask, position_ids, model_kwargs)
     extra = {"output_router_logits": True} if router_logits else {}
     out = backbone_module(lm)(
         input_ids=input_ids,
@@ -356,8 +350,8 @@ def causal_lm_router_aux_coef(model: nn.Module, coef: float | None = None) -> fl
         cls, _ = audited_class(lm)
         reads = "output_router_logits" in inspect.signature(cls.forward).parameters
         on = reads and bool(lm.config.get_text_config().output_router_logits)
-        return hf_vlm.moe_router(lm)[2] if on else 0.0
-    if not (math.isfinite(float(coef)) and float(coef) >= 0):
+        return vlm.moe_router(lm)[2] if on else 0.0
+    if not (finite_number(coef) and coef >= 0):
         raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {coef}")
     return float(coef)
 
@@ -369,5 +363,5 @@ def router_aux_loss(
     ``load_balancing_loss_func`` on the router logits, its expert counts, the attention mask."""
     cls, _ = audited_class(lm)
     balance = sys.modules[cls.__module__].load_balancing_loss_func
-    experts, top_k, _ = hf_vlm.moe_router(lm)
+    experts, top_k, _ = vlm.moe_router(lm)
     return balance(router_logits, experts, top_k, attention_mask)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .deepspeed import config_problem
+from ..deepspeed import config_problem
 
 __all__ = ["CompletionLayout", "completion_batch", "distributed_problem"]
 

@@ -1,7 +1,7 @@
 """The HF integration's vision-language side: which multimodal classes are audited, and the
 checks of their image inputs before the backbone runs.
 
-Package-internal (:mod:`~logitless.integrations.hf_model` reads :data:`AUDITED` for its model
+Package-internal (:mod:`~logitless.integrations.hf.model` reads :data:`AUDITED` for its model
 table and calls :func:`check_backbone_inputs` before every backbone call). It imports no other
 integration module.
 
@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..contract.checks import fmt_shape as _shape
+from ...contract.checks import fmt_shape as _shape
 
 __all__ = [
     "AUDITED",
