@@ -205,6 +205,24 @@ def test_temperature_tensor_not_positive_finite(head, bad):
         _call(head, temperature=temperature)
 
 
+def test_a_temperature_whose_reciprocal_overflows_the_logits_is_refused(head):
+    """Issue 52: logits / T overflow fp32 (inf, then NaN) below 1 / finfo(fp32).max; refused as
+    a scalar and in a per-token tensor. In a float64 head the same value is fine; 1e-8, the
+    value of the report, gives finite log-probs, the exact distribution at that temperature
+    (about -1e9 for a token that is not the argmax: docs/head.md, "Temperature")."""
+    tiny = 1e-39  # 1 / tiny > 3.4e38 = finfo(float32).max
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0 everywhere"):
+        _call(head, temperature=tiny)
+    per_token = torch.ones(N)
+    per_token[2] = tiny
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0 everywhere"):
+        _call(head, temperature=per_token)
+    args = {k: v.double() if v.is_floating_point() else v for k, v in _good().items()}
+    assert torch.isfinite(_call(head, **args, temperature=tiny).logprobs).all()
+    out = _call(head, temperature=1e-8).logprobs
+    assert torch.isfinite(out).all() and out.min() < -1e5
+
+
 # 2xN: broadcast_shapes accepts it, but temperature may not add dimensions to labels.
 @pytest.mark.parametrize("shape", [(N + 1,), (N, 2), (2, N)], ids=["N+1", "Nx2", "2xN"])
 def test_temperature_tensor_not_broadcastable(head, shape):

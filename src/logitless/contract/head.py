@@ -158,6 +158,8 @@ def _check(
             "use capturable=False with sampling_mask / top_k / top_p / min_p"
         )
     scalar_t = None if isinstance(options.temperature, torch.Tensor) else options.temperature
+    if scalar_t is not None:
+        _check_scalar_temperature(scalar_t, compute_dtype(head_dtype))
     _check_grad_into(options.weight_grad_into, weight, compute_dtype(head_dtype), names, sampler)
     return HeadCall(
         hidden=hidden.reshape(-1, weight.shape[1]),
@@ -363,7 +365,18 @@ def _label_message(options: HeadOptions, label_vocab: int) -> str:
     )
 
 
-_TEMPERATURE_MESSAGE = "temperature must be finite and > 0 everywhere"
+_TEMPERATURE_MESSAGE = (
+    "temperature must be finite and > 0 everywhere, and no smaller than the reciprocal of the "
+    "largest number of the logits' compute dtype (the logits are divided by it)"
+)
+
+
+def _check_scalar_temperature(t: float, stats_dtype: torch.dtype) -> None:
+    """A scalar temperature whose reciprocal overflows the compute dtype (logits / t would be
+    infinite): refused. Smaller-than-usual ones that do not overflow are the exact
+    distribution at that temperature (docs/head.md, "Temperature")."""
+    if 1.0 / t > torch.finfo(stats_dtype).max:
+        raise ValueError(f"{_TEMPERATURE_MESSAGE}: got {t!r} for {stats_dtype} logits")
 
 
 def _label_flags(labels: torch.Tensor, options: HeadOptions, label_vocab: int):
@@ -375,7 +388,7 @@ def _label_flags(labels: torch.Tensor, options: HeadOptions, label_vocab: int):
 
 
 def _good_temperature(temp: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(temp) & (temp > 0)
+    return torch.isfinite(temp) & (temp > 0) & torch.isfinite(temp.reciprocal())
 
 
 def _assert_values(
