@@ -124,6 +124,22 @@ def test_cpu_deepspeed_launch_runs_as_written(tmp_path):
     assert re.search(r"ZeRO-3, 2 processes: losses \[\S+, \S+\]", out.stdout), out.stdout[-2000:]
 
 
+def test_vlm_example_trains_every_part():
+    """examples/trl_vlm.py (docs/trl.md's vision-language example): LogitlessGRPOTrainer on a
+    tiny LLaVA with image prompts trains its vision tower and projector too (the images reach
+    the backbone in the loss), not only the language model and the head."""
+    for module in ("trl", "PIL"):
+        pytest.importorskip(module)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "trl_vlm.py")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    trained = "trained: language_model, lm_head, multi_modal_projector, vision_tower"
+    assert re.search(r"losses \S+, \S+; " + trained + "\n", out.stdout), out.stdout[-2000:]
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading: lowercase, punctuation dropped, spaces to dashes."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
