@@ -12,21 +12,21 @@ head's element count (the head persistent, at the boundary) and one less (the he
 partitioned, the smaller parameters persistent). A persistent parameter is a partition until
 DeepSpeed first gathers it, in its module's forward (never run for the head) or after a step:
 the head gathers it in the first step. After training the head is asserted partitioned, or,
-persistent, whole. The truth of each case is stock TRL's run of the same
-steps in float64 (the trainer built as the fp32 ones are, its models then cast to float64, and
-trained under DDP on the same 2 ranks: ZeRO's sharding changes no arithmetic of an SGD step,
-and DeepSpeed's optimizers keep float32 master weights). Every logged loss and metric and
-every final parameter of the logitless run must be within 4x stock TRL's own error against
-that truth (max and rms, plus a floor: tests/_tolerance.py, ``_trl.assert_run_no_worse``). The
-ranks see different prompts, so gradients that were not reduced end in other weights.
+persistent, whole. The truth of each case is stock TRL's run of the same steps in float64 (the
+trainer built as the fp32 ones are, its models then cast to float64, and trained under DDP on
+the same 2 ranks: ZeRO's sharding changes no arithmetic of an SGD step, and DeepSpeed's
+optimizers keep float32 master weights). Every logged loss and metric and every final parameter
+of the logitless run must be within 4x stock TRL's own error against that truth (max and rms,
+plus a floor: tests/_tolerance.py, ``_trl.assert_run_no_worse``). The ranks see different
+prompts, so gradients that were not reduced end in other weights.
 
 The mutation of tests/test_deepspeed.py (the head's gather closed when its forward returns)
 runs last in the same launch: both trainers' backward must fail (untied heads, ZeRO-3). Then a
-persistent head read while still a partition (``needs_gather`` without its status check, DeepSpeed's
-default threshold) must stop both trainers with the ``ValueError`` naming the fix, not an
-``IndexError`` from the head's shape. Stage 0
-catches the loss returned as the engine's forward output itself (without
-``deepspeed.past_output_hooks``: half of stock TRL's update with gradient accumulation 2).
+persistent head read while still a partition (``needs_gather`` without its status check,
+DeepSpeed's default threshold) must stop both trainers with the ``ValueError`` naming the fix,
+not an ``IndexError`` from the head's shape. Stage 0 catches the loss returned as the engine's
+forward output itself (without ``deepspeed.past_output_hooks``: half of stock TRL's update with
+gradient accumulation 2).
 """
 
 from __future__ import annotations
