@@ -357,6 +357,20 @@ def test_ratios_and_csv_append(tmp_path: Path) -> None:
     assert lines.count(lines[0]) == 1
 
 
+def test_output_csv_overwrites_or_appends_with_one_header(tmp_path: Path) -> None:
+    """``apps.output.write_csv``, the CSV writer of the bench and the demo: a new file (its
+    folder created) gets the header; ``append`` adds rows under it, else the file is
+    replaced."""
+    from logitless.apps.output import write_csv
+
+    path = tmp_path / "new" / "t.csv"
+    write_csv(path, ["a", "b"], [{"a": 1, "b": 2}], append=True)
+    write_csv(path, ["a", "b"], [{"a": 3, "b": 4}], append=True)
+    assert path.read_text().splitlines() == ["a,b", "1,2", "3,4"]
+    write_csv(path, ["a", "b"], [{"a": 5, "b": 6}])
+    assert path.read_text().splitlines() == ["a,b", "5,6"]
+
+
 def test_csv_with_other_columns_is_refused_before_running(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

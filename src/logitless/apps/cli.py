@@ -232,12 +232,12 @@ def _check_bench_outputs(parser: argparse.ArgumentParser, args: argparse.Namespa
         except ValueError as exc:
             parser.error(str(exc))
     if args.plot is not None:
+        from .output import PlotUnavailable, pyplot
+
         try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(
-                "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
-            )
+            pyplot()
+        except PlotUnavailable as exc:
+            parser.error(str(exc))
 
 
 DEFAULT_DEMO_PLOT = "demo-results/grpo_demo_{mode}.png"
@@ -410,6 +410,7 @@ def _report_demo(args: argparse.Namespace, results: list) -> None:
     import statistics
 
     from .demo import check_step, plot_demo, seeds_summary, write_csv
+    from .output import PLOT_HINT
 
     c = results[0].config
     print(results[0].memory_note)
@@ -436,10 +437,7 @@ def _report_demo(args: argparse.Namespace, results: list) -> None:
         if plot_demo(results, path):
             print(f"wrote {path}")
         else:
-            print(
-                "no plot: matplotlib is not installed (pip install -e '.[bench]' in a logitless "
-                "checkout)"
-            )
+            print(f"no plot: matplotlib is not installed ({PLOT_HINT})")
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (

@@ -21,10 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import Row
+from ..output import PlotUnavailable, plain_axes, pyplot, save_figure
+from .results import MIB, Row
 from .workload import Workload
-
-MIB = 1024 * 1024
 
 TASK_TITLES = {
     "logprobs": "log-probs + entropy, forward + backward",
@@ -46,23 +45,6 @@ def _floors(methods: Sequence[str]) -> list[str]:
 def _floor_label(name: str) -> str:
     """``floor4`` -> ``floor4: 4 bare matmuls``."""
     return f"{name}: {name.removeprefix('floor')} bare matmuls"
-
-
-class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise PlotUnavailable(
-            "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
-        ) from exc
-    return plt
 
 
 def _roles(task: str, methods: Sequence[str]) -> dict[str, str]:
@@ -158,11 +140,7 @@ def plot_rows(rows: Sequence[Row], path: Path, machine: str = "") -> None:
         PlotUnavailable: matplotlib is missing (``pip install -e '.[bench]'`` in a logitless
             checkout).
     """
-    plt = _pyplot()
-    fig = make_figure(rows, machine)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(make_figure(rows, machine), path)
 
 
 def make_figure(rows: Sequence[Row], machine: str = "") -> Any:
@@ -175,7 +153,7 @@ def make_figure(rows: Sequence[Row], machine: str = "") -> Any:
         PlotUnavailable: matplotlib is missing.
         ValueError: ``rows`` is empty.
     """
-    plt = _pyplot()
+    plt = pyplot()
     if not rows:
         raise ValueError("no rows to plot")
     sweep = len({r.work.tokens for r in rows}) > 1
@@ -294,8 +272,7 @@ def _bar_axes(fig: Any, *panels: tuple) -> None:
         ax.set_xlim(0, max(values, default=1) * scale * 1.45 or 1)
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
+        plain_axes(ax)
         ax.set_title(title, fontsize=11)
     handles, names = (
         sum(x, []) for x in zip(*(p[0].get_legend_handles_labels() for p in panels), strict=True)
@@ -414,8 +391,7 @@ def _log_axes(ax: Any, tokens: list[int], ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
     ax.grid(True, which="minor", alpha=0.1)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
+    plain_axes(ax)
 
 
 # ---------------------------------------------------------------------------------------------
