@@ -211,7 +211,7 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.plot is not None:
         from .bench.plot import plot_rows
 
-        plot_rows(rows, args.plot, machine_string())
+        plot_rows(rows, args.plot, machine_string(), warning=busy)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in rows) else 0
 
