@@ -200,7 +200,6 @@ def test_warmup_and_steps_show_progress():
     assert quiet.getvalue() == ""
 
 
-
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
@@ -223,6 +222,7 @@ def test_progress_without_tqdm_is_the_shared_status_line(monkeypatch):
     text = tty.getvalue()
     assert text.count("\r\x1b[KGRPO logitless seed 0 ") == 2 and text.count("\n") == 1
     assert text.endswith("\n") and "2/2 reward=" in text.splitlines()[-1]
+
 
 # ---------------------------------------------------------------------------------------------
 # one update in float64; several seeds
