@@ -45,6 +45,25 @@ def compiled(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+def test_the_cache_key_holds_the_tile_code_a_kernel_calls():
+    """A kernel's cached result is keyed on its source and on every tile function it calls,
+    directly or not (``logits_tile``, the programs' prologues and ``grouped`` under them): an
+    edit there compiles again. A call through a module (``tiles.logits_tile(...)``, as the
+    families called the tile code before) was left out of the key, so an edited tile function
+    kept its stale results."""
+    kernels = ["stats", "dz", "div_stats", "jsd", "div_dz"]
+    code = (
+        "from logitless.backends import aot\n"
+        f"for k in {kernels}:\n"
+        "    src = aot._kernel_source(k)\n"
+        "    print(all(f'def {f}(' in src for f in ('logits_tile', 'grouped')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["True"] * len(kernels), proc.stdout
+
+
 def _select(data, **match):
     rows = [r for r in data["results"] if all(r[k] == v for k, v in match.items())]
     assert rows, f"no compile matches {match}"

@@ -317,8 +317,8 @@ def _source(job: Job):
 @functools.cache
 def _kernel_source(kernel: str) -> str:
     """The source of kernel ``kernel`` and of every ``@triton.jit`` function it calls, directly
-    or not (Triton's own key also holds their line numbers: an edit above a kernel would
-    recompile it)."""
+    or not, by its name or through a module (``tiles.logits_tile(...)``). Triton's own key
+    also holds their line numbers: an edit above a kernel would recompile it."""
     import triton
 
     plain = _launcher().KERNELS[kernel].plain
@@ -329,8 +329,11 @@ def _kernel_source(kernel: str) -> str:
             continue
         seen.add(fn)
         parts.append(fn.src)
-        for name in sorted(set(re.findall(r"\b(\w+)\s*\(", fn.src))):
-            dep = fn.fn.__globals__.get(name)
+        for name in sorted(set(re.findall(r"\b([\w.]+)\s*\(", fn.src))):
+            first, *attrs = name.split(".")
+            dep = fn.fn.__globals__.get(first)
+            for attr in attrs:
+                dep = getattr(dep, attr, None)
             if isinstance(dep, triton.runtime.JITFunction):
                 todo.append(dep)
     return "\n".join(parts)
