@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from ..contract.backend import interpreting
+
 # Targets: (compute capability, shared memory per block with opt-in, bytes).
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024), "sm_100": (100, 227 * 1024)}
 MAX_REGISTERS = 255
@@ -500,7 +502,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", action="append", choices=list(TARGETS))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     ns = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreting():  # Triton would build interpreted functions, which do not compile
         print("run without TRITON_INTERPRET=1 (the kernels are built at import)", file=sys.stderr)
         return 2
     results = run(tuple(ns.target or TARGETS), ns.cache, ns.workers)

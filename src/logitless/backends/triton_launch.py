@@ -21,20 +21,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from ..contract.backend import interpreting
 from .base import HeadGrads, KernelOptions, Needs, RowBatch, add_product
 
 #: The kernel families (modules of :mod:`logitless.backends`), each registering its kernels on
 #: import; the compile check imports every one.
 FAMILIES = ("logitless.backends.triton_kernels", "logitless.backends.triton_divergence")
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Whether the kernels run in Triton's interpreter: read once, at import, because that is when
+# Triton reads the variable too (each ``@triton.jit`` of the tile code and the families becomes
+# an interpreted function under it); the launcher must follow what the kernels were built as,
+# whatever the variable says later.
+INTERPRET = interpreting()
 
 # Backward workspace: [rows, vc] in the compute dtype, at most this many bytes, but never fewer
 # than _MIN_VOCAB_CHUNK columns (each chunk re-reads and re-writes the fp32 hidden gradient,

@@ -18,10 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
+# The values of TRITON_INTERPRET that turn Triton's interpreter on (Triton's own reading of a
+# boolean variable, ``triton.knobs``: case-insensitive; anything else is off).
+_ON = ("1", "true", "on", "yes", "y")
+
 
 def interpreting() -> bool:
-    """Triton's interpreter is on (``TRITON_INTERPRET=1``): its kernels run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton's interpreter is on (``TRITON_INTERPRET=1``): its kernels run on CPU tensors.
+
+    The one place logitless reads the variable (the registry's rules, the Triton launcher, the
+    compile check). Triton reads it too, when it defines each ``@triton.jit`` function (on
+    import of the kernel modules): set it before the first call with ``backend="triton"``
+    imports them, as the tests' ``conftest.py`` does.
+    """
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _ON
 
 
 @functools.cache
