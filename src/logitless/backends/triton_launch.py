@@ -8,7 +8,7 @@ host code and makes each kernel launchable with :func:`register` (its GEMM opera
 flags, hidden widths and configuration table): :mod:`.triton_kernels` (log-probs and entropy)
 and :mod:`.triton_divergence` (the divergence to a teacher head). Every launch goes through
 :func:`launch`, whose configurations come from :func:`candidates`; the ahead-of-time compile
-check (:mod:`logitless.backends.aot`) reads the launches with :func:`recording` and the
+check (:mod:`logitless.apps.aot`) reads the launches with :func:`recording` and the
 configurations from :func:`candidates`, for every family the same way (:data:`FAMILIES`).
 
 Interpreter. With ``TRITON_INTERPRET=1`` (read by Triton when the kernels are defined, at
@@ -55,7 +55,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # --------------------------------------------------------------------------------------------
 #
 # One rule, :func:`candidates`, says which configurations a launch can run; the launcher and the
-# ahead-of-time compile check (:mod:`logitless.backends.aot`) both call it:
+# ahead-of-time compile check (:mod:`logitless.apps.aot`) both call it:
 #   - the interpreter: ``INTERPRETER`` (few, wide programs: Python runs each one);
 #   - calls with fewer than ``TUNE_MIN_ELEMS`` logits: the table's "small", one configuration
 #     (autotuning costs a few seconds per new kernel specialization; it pays off only where the
@@ -82,7 +82,7 @@ def _config(bm, bn, bk, warps, stages, group_m=8):
 # kind the autotuned lists: "tc" (tensor cores: 16-bit operands, TF32, 16-bit products under an
 # fp32 head) and "fma" (IEEE fp32). Every entry compiles for sm_80, sm_90 and sm_100 within the
 # target's shared memory and registers, and none spills on the headline problem (bf16, H = 3584,
-# V = 152064, every transform flag): ``python -m logitless.backends.aot --report`` prints them
+# V = 152064, every transform flag): ``python -m logitless.apps.aot --report`` prints them
 # and tests/test_triton_compile.py checks it. The widest tiles of an H100 sweep (128x256x64 and
 # 256x128x64, 8 warps: 10-15% faster than 128x128 without softcap) spill 400-2600 bytes with the
 # transform in the epilogue, and 16 warps cap the registers at 128 and spill too: they are out.
@@ -226,7 +226,7 @@ _RECORDED: list | None = None
 @contextlib.contextmanager
 def recording():
     """Within the block, kernel launches are not run but recorded as ``(name, elems, args,
-    kwargs)`` into the yielded list (:mod:`logitless.backends.aot` reads the launchers' own
+    kwargs)`` into the yielded list (:mod:`logitless.apps.aot` reads the launchers' own
     arguments this way; any tensors, meta tensors too)."""
     global _RECORDED
     previous, _RECORDED = _RECORDED, []

@@ -22,11 +22,14 @@ per block (163 KB on sm_80, 227 KB on sm_90 and sm_100) or more than 255 registe
 the headline problem (bf16, H = 3584, V = 152064), when it spills. What it cannot tell: speed,
 and numbers (the interpreter tests check those).
 
-Run ``python -m logitless.backends.aot --report`` (the table) or ``--check`` (exit status 1 on
+Run ``python -m logitless.apps.aot --report`` (the table) or ``--check`` (exit status 1 on
 a failure). It must run without ``TRITON_INTERPRET`` (the kernels are built at import); the
 test and ``benchmarks/triton_compile_report.py`` start it in a process of its own. Results are
 cached per compiled source, target and options (``--cache``): an unchanged kernel is not
 compiled again.
+
+A tool built on the kernel layer, so an app: it imports :mod:`logitless.backends`, which never
+imports it.
 """
 
 from __future__ import annotations
@@ -113,11 +116,11 @@ class Job:
 
 
 def _launcher():
-    """:mod:`.triton_launch` with every kernel family's kernels registered (each family
-    registers its kernels when it is imported)."""
+    """:mod:`logitless.backends.triton_launch` with every kernel family's kernels registered
+    (each family registers its kernels when it is imported)."""
     import importlib
 
-    from . import triton_launch
+    from ..backends import triton_launch
 
     for family in triton_launch.FAMILIES:
         importlib.import_module(family)
@@ -126,8 +129,8 @@ def _launcher():
 
 def _head(setup: Setup, rows: int, hidden: int, variant: dict, entropy: bool):
     """A RowBatch and KernelOptions of meta tensors."""
+    from ..backends.base import KernelOptions, RowBatch, Schedule
     from ..transform import LogitTransform
-    from .base import KernelOptions, RowBatch, Schedule
 
     vocab = HEADLINE["vocab"]
     meta = {"device": "meta"}
@@ -149,9 +152,9 @@ def _head(setup: Setup, rows: int, hidden: int, variant: dict, entropy: bool):
 
 
 def _record_head(setup: Setup, rows: int, variant: dict, entropy: bool, grads: str, hidden: int):
-    from . import triton_kernels as tk
-    from .base import RowStats, Upstream
-    from .triton_launch import recording
+    from ..backends import triton_kernels as tk
+    from ..backends.base import RowStats, Upstream
+    from ..backends.triton_launch import recording
 
     batch, opts = _head(setup, rows, hidden, variant, entropy)
     with recording() as launches:
@@ -166,9 +169,9 @@ def _record_head(setup: Setup, rows: int, variant: dict, entropy: bool, grads: s
 def _record_divergence(
     setup: Setup, rows: int, variant: dict, entropy: bool, mode: str, hidden: int
 ):
-    from . import triton_divergence as dk
-    from .base import DivOptions, DivRows, DivStats, DivUpstream
-    from .triton_launch import recording
+    from ..backends import triton_divergence as dk
+    from ..backends.base import DivOptions, DivRows, DivStats, DivUpstream
+    from ..backends.triton_launch import recording
 
     student, s_opts = _head(setup, rows, hidden, variant, entropy)
     teacher, t_opts = _head(setup, rows, _TEACHER_HIDDEN + hidden % 16, variant, False)
