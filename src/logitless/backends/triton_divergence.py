@@ -1,6 +1,6 @@
 """The divergence op in Triton: both heads' GEMM tiles in one program, logits in registers.
 
-The algorithm is the torch tiles' (:mod:`logitless.ops.divergence.tiles`, whose docstring
+The algorithm is the torch tiles' (:mod:`logitless.backends.torch_divergence`, whose docstring
 states the math); here each program owns a ``[BLOCK_M, BLOCK_N]`` block of rows × vocabulary
 and computes *both* heads' tiles of it, the student's ``z_s = transform_s(h·Wᵀ)`` and the
 teacher's ``z_t = transform_t(h_t·W_tᵀ)`` (each with its own bias, logit scale, softcap, hidden
