@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE = -100
+from ...contract.options import IGNORE_INDEX
+
+IGNORE = IGNORE_INDEX  # the label of the tokens not trained on
 PAD, BOS, DIGIT0 = 0, 1, 2  # toy tokenizer: <pad> <bos> 0 1 … 9  ->  ids 0 1 2 3 … 11
 
 
