@@ -245,7 +245,10 @@ def head_for_checks(model: nn.Module) -> Head:
     ones exist inside the forward, see :func:`with_head`)."""
     lm_head, softcap, scale = check_model(model)
     own = deepspeed.own_params(lm_head)
-    weight, bias = (_stand_in(deepspeed.stand_in(own.get(k))) for k in ("weight", "bias"))
+    if deepspeed.is_zero3(own.get("weight")):  # read without the attribute: see own_params
+        weight, bias = (deepspeed.stand_in(own.get(k)) for k in ("weight", "bias"))
+    else:  # the attributes (FSDP1 leaves its flat parameters' views unregistered)
+        weight, bias = _stand_in(lm_head.weight), _stand_in(lm_head.bias)
     return _seam_head(CausalLMHead(weight, bias, softcap, scale))
 
 
