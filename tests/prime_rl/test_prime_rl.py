@@ -4,7 +4,7 @@ says what is bypassed or stubbed), against prime-rl's own heads and a float64 tr
 A tiny Hugging Face model (prime-rl's ``impl="hf"`` path) gets prime-rl's head and forward from
 prime-rl's ``inject_prime_lm_head``; three copies of it run the same batch:
 
-op     = ``FusedOutputLinear`` injected (chunk 8), then :func:`~logitless.integrations.prime_rl.adopt`
+op     = ``FusedOutputLinear`` injected (chunk 8), then ``logitless.integrations.prime_rl.adopt``
 ref    = ``VanillaOutputLinear`` (``fused_lm_head_token_chunk_size="disabled"``) and prime-rl's
          trainer code for it: the logits / per-token temperature, ``selective_log_softmax``;
          the entropy as prime-rl's ``compute_entropy`` computes it, with its gradient
@@ -34,7 +34,6 @@ own model classes (``impl="custom"``: behind the bypassed ``__init__``), ring at
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -224,7 +223,10 @@ def test_parity(case: Case):
     ours = lp.adopt(copy.deepcopy(base))
     assert type(ours.lm_head).__name__.endswith("FusedOutputLinear")
     truth_model = vanilla(make_model(case, torch.float64))
-    d64 = {**d, "extra": {k: v.double() if v.is_floating_point() else v for k, v in d["extra"].items()}}
+    d64 = {
+        **d,
+        "extra": {k: v.double() if v.is_floating_point() else v for k, v in d["extra"].items()},
+    }
     ref, truth = vanilla(base), step(truth_model, d64, rl_loss_fn, entropy=True)
     op = step(ours, d, rl_loss_fn, entropy=True)
     compare(op, step(ref, d, rl_loss_fn, entropy=True), truth, f"{case.name} vs vanilla")
@@ -247,14 +249,21 @@ class CountingBackbone:
         self.calls += 1
 
 
+def _fill(key: str, position: int, value: float):
+    return lambda d: d[key].index_fill_(1, torch.tensor([position]), value)
+
+
+POSITIVE = "temperature must be finite and > 0"
+IN_VOCAB = f"labels must be in \\[0, {V}\\)"
+MISSING_T = "temperature \\(prime-rl's per-token"
 BAD = {
-    "temperature 0": (lambda d: d["temperature"].index_fill_(1, torch.tensor([5]), 0.0), "temperature must be finite and > 0"),
-    "temperature nan": (lambda d: d["temperature"].index_fill_(1, torch.tensor([2]), float("nan")), "temperature must be finite and > 0"),
-    "label >= V": (lambda d: d["labels"].index_fill_(1, torch.tensor([3]), V), f"labels must be in \\[0, {V}\\)"),
-    "label -100": (lambda d: d["labels"].index_fill_(1, torch.tensor([3]), -100), f"labels must be in \\[0, {V}\\)"),
-    "no temperature": (lambda d: d.update(temperature=None), "temperature \\(prime-rl's per-token"),
-    "temperature [1, S-1]": (lambda d: d.update(temperature=d["temperature"][:, 1:]), "temperature \\(prime-rl's per-token"),
-}  # fmt: skip
+    "temperature 0": (_fill("temperature", 5, 0.0), POSITIVE),
+    "temperature nan": (_fill("temperature", 2, float("nan")), POSITIVE),
+    "label >= V": (_fill("labels", 3, V), IN_VOCAB),
+    "label -100": (_fill("labels", 3, -100), IN_VOCAB),
+    "no temperature": (lambda d: d.update(temperature=None), MISSING_T),
+    "temperature [1, S-1]": (lambda d: d.update(temperature=d["temperature"][:, 1:]), MISSING_T),
+}
 
 
 @pytest.mark.parametrize("bad", BAD, ids=list(BAD))
@@ -338,7 +347,9 @@ def _fsdp_case(rank: int, case: Case, mixed: bool, mesh) -> dict:
     out = {}
     for name, model, fn in (("op", ours, rl_loss_fn), ("fused", fused, default_fn)):
         r = step(model, d, fn, entropy=False)
-        out[name] = {k: v.full_tensor() if type(v).__name__ == "DTensor" else v for k, v in r.items()}
+        out[name] = {
+            k: v.full_tensor() if type(v).__name__ == "DTensor" else v for k, v in r.items()
+        }
     truth = step(truth_model, d, default_fn, entropy=False)
     for k, v in truth.items():
         if k not in ("logprobs", "entropy", "loss"):
@@ -407,7 +418,9 @@ def _worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     results = {"bad": _bad_input_case(rank)}
     for case, mixed in ((Case("llama"), True), (Case("llama", tied=True), False)):
-        results[f"fsdp-{case.name}-{'mp' if mixed else 'fp32'}"] = _fsdp_case(rank, case, mixed, mesh)
+        results[f"fsdp-{case.name}-{'mp' if mixed else 'fp32'}"] = _fsdp_case(
+            rank, case, mixed, mesh
+        )
     results["cp"] = _cp_case(rank, dist.group.WORLD)
     return results
 
@@ -432,7 +445,7 @@ def test_distributed_fsdp2(ranks):
 
 
 def test_distributed_context_parallel(ranks):
-    for rank, r in enumerate(ranks):
+    for r in ranks:
         full, cp, rows = r["cp"]["full"], r["cp"]["cp"], r["cp"]["rows"]
         torch.testing.assert_close(cp[0], full[0], rtol=0, atol=1e-6)  # gathered log-probs
         torch.testing.assert_close(cp[1], full[1], rtol=0, atol=1e-6)  # gathered entropy

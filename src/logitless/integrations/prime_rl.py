@@ -61,7 +61,8 @@ from ..contract.collectives import agree, check_then_agree
 from ..contract.options import HeadOptions
 from . import seam
 
-__all__ = ["adopt", "adopted", "default_loss", "ipo_loss", "prepare"]
+# and ``default_loss`` / ``ipo_loss``, read through the module's ``__getattr__``
+__all__ = ["WORLD", "adopt", "adopted", "prepare"]
 
 _WHERE = "logitless as prime-rl's LM head (logitless.integrations.prime_rl)"
 _LM_HEAD = "prime_rl.trainer.models.layers.lm_head"
@@ -135,9 +136,7 @@ def _check_inputs(labels: Any, temperature: Any) -> None:
         )
 
 
-def prepare(
-    lm_head: nn.Module, labels: Any, temperature: Any, group: Any = None
-) -> seam.Prepared:
+def prepare(lm_head: nn.Module, labels: Any, temperature: Any, group: Any = None) -> seam.Prepared:
     """The head call of prime-rl's ``lm_head(hidden_states, labels, temperature)``, checked
     before any hidden state exists: ``labels`` ``[B, S]`` in ``[0, vocab_size)``,
     ``temperature`` ``[B, S]``, finite and > 0 (prime-rl's ``orchestrator.sampling.temperature``
@@ -182,7 +181,9 @@ def _head_forward(
     head = seam.Head(self.weight, softcap=state.softcap)
     out = seam.logprobs(prepared, seam.Tokens(hidden_states, labels), head)
     # no view among the outputs: FSDP2's pre-backward hook on a view would be lost ([B, S])
-    return {k: t.clone() if t._base is not None else t for k, t in zip(out._fields, out)}
+    return {
+        k: t.clone() if t._base is not None else t for k, t in zip(out._fields, out, strict=True)
+    }
 
 
 def _check_before_backbone(state: _HeadState, inner: Callable[..., Any]):
@@ -247,7 +248,9 @@ def adopt(model: nn.Module, group: Any = WORLD) -> nn.Module:
             "inject_prime_lm_head sets on the model, which passes labels and temperature to "
             "lm_head); inject prime-rl's head first"
         )
-    state = _HeadState(getattr(lm_head, "softcap", None), _default_group() if group == WORLD else group)
+    state = _HeadState(
+        getattr(lm_head, "softcap", None), _default_group() if group == WORLD else group
+    )
     lm_head._logitless = state
     lm_head.forward = types.MethodType(_head_forward, lm_head)
     model.register_forward_pre_hook(
