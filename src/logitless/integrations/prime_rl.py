@@ -26,15 +26,18 @@ nothing else), then returns prime-rl's own loss function with its own config cla
 (``default_loss_fn`` with ``DefaultLossConfig(**kwargs)``; ``ipo_loss_fn`` with
 ``IPOLossConfig``).
 
-:func:`adopt` changes two instance attributes, where prime-rl itself put its own: the
-``lm_head``'s ``forward`` becomes logitless's head (the module, its weight, its FSDP2 unit and
-hooks stay prime-rl's: a tied weight stays tied), and the model's ``forward`` checks the labels
-and the per-token temperatures before the backbone runs (:func:`prepare`; a bad value costs no
-forward, and every rank of ``group`` raises together), then runs prime-rl's. The head returns
-prime-rl's ``PrimeLmOutput`` keys (``logprobs``, ``entropy``: fp32 ``[B, S]``), both
-differentiable: the entropy's gradient is computed (prime-rl's loop uses the entropy only as a
-metric). ``model.fused_lm_head_token_chunk_size`` is not used: logitless tiles from its own
-memory budget, and its results do not depend on the tile.
+:func:`adopt` changes the ``lm_head``'s instance-level ``forward`` (prime-rl sets the model's
+the same way) to logitless's head (the module, its weight, its FSDP2 unit and hooks stay
+prime-rl's: a tied weight stays tied), and registers a forward pre-hook on the model, first in
+line, that checks the labels and the per-token temperatures before the backbone runs
+(:func:`prepare`; a bad value costs no forward, and every rank of ``group`` raises together)
+and hands the checked call to the head. Registered after FSDP2's ``fully_shard`` (as the
+switch does), it reads the temperatures before FSDP2's mixed precision casts them to bf16. The
+head returns prime-rl's ``PrimeLmOutput`` keys (``logprobs``, ``entropy``: fp32 ``[B, S]``),
+both differentiable: the entropy's gradient is computed (prime-rl's loop uses the entropy only
+as a metric). ``model.fused_lm_head_token_chunk_size`` is not used: logitless tiles from its
+own memory budget, and its results do not depend on the tile. docs/prime-rl.md has the
+contract.
 
 Bad input raises ``ValueError`` in prime-rl's terms: a temperature that is not finite and > 0
 (prime-rl's sampling config allows 0, its head then returns NaN), a label outside
@@ -273,7 +276,8 @@ def _adopt_built_models() -> int:
     models = [
         obj
         for obj in (gc.get_objects() if classes else ())
-        if isinstance(obj, nn.Module) and isinstance(obj._modules.get("lm_head"), classes)
+        # type(), not isinstance(): the latter reads __class__, which some objects warn on
+        if issubclass(type(obj), nn.Module) and isinstance(obj._modules.get("lm_head"), classes)
     ]
     for model in models:
         adopt(model)
