@@ -156,23 +156,29 @@ def main(argv: list[str]) -> None:
         _append_csv(args, results, command)
 
 
+FIELDS = [
+    "date", "variant", "tokens", "hidden", "vocab", "chunk", "dtype", "time_median_s",
+    "time_ratio", "peak_extra_mb", "memory_ratio", "machine", "threads", "command",
+]  # fmt: skip
+
+
 def _append_csv(args: argparse.Namespace, results: list[dict], command: str) -> None:
-    fields = ["date", "variant", "tokens", "hidden", "vocab", "chunk", "dtype", "time_median_s",
-              "time_ratio", "peak_extra_mb", "memory_ratio", "machine", "threads", "command"]  # fmt: skip
     new = not args.csv.exists()
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+        w = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
             w.writeheader()
         for r in results:
+            shape = {k: getattr(args, k) for k in ("tokens", "hidden", "vocab", "chunk", "dtype")}
             w.writerow({
-                "date": dt.date.today().isoformat(), "variant": r["variant"],
-                "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
-                "chunk": args.chunk, "dtype": args.dtype,
-                "time_median_s": f"{r['time_median_s']:.4f}", "time_ratio": f"{r['time_ratio']:.3f}",
+                "date": dt.date.today().isoformat(), "variant": r["variant"], **shape,
+                "time_median_s": f"{r['time_median_s']:.4f}",
+                "time_ratio": f"{r['time_ratio']:.3f}",
                 "peak_extra_mb": f"{r['peak_extra_mb']:.1f}",
-                "memory_ratio": f"{r['memory_ratio']:.3f}", "machine": platform.processor()
-                or platform.machine(), "threads": os.cpu_count(), "command": command,
+                "memory_ratio": f"{r['memory_ratio']:.3f}",
+                "machine": platform.processor() or platform.machine(),
+                "threads": os.cpu_count(), "command": command,
             })  # fmt: skip
 
 

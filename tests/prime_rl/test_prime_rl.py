@@ -455,3 +455,25 @@ def test_distributed_context_parallel(ranks):
         dh = WORLD * full[2][:, rows]
         torch.testing.assert_close(cp[2], dh, rtol=1e-5, atol=1e-6)  # this shard's dh
         torch.testing.assert_close(cp[3], WORLD * full[3], rtol=1e-5, atol=1e-6)  # dW, summed
+
+
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/prime_rl_head.py end to end on a tiny shape (the full one is for a quiet
+    machine): both variants reported, the same log-probs, a CSV row each."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    csv = tmp_path / "prime_rl_head.csv"
+    args = ["--tokens", "40", "--hidden", "16", "--vocab", "300", "--chunk", "16"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "prime_rl_head.py"), *args, "--repeats", "1",
+         "--csv", str(csv)],
+        capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines() if ln.strip()}
+    assert {"prime_fused", "logitless"} <= rows.keys(), proc.stdout
+    assert abs(float(rows["prime_fused"][-1]) - float(rows["logitless"][-1])) < 1e-3
+    assert csv.read_text().count("\n") == 3  # header + 2 rows
