@@ -282,6 +282,18 @@ def test_bad_input_before_the_backbone(bad: str):
     assert count.calls == 1
 
 
+def test_adopt_takes_each_of_prime_rls_heads():
+    """The vanilla heads (``fused_lm_head_token_chunk_size = "disabled"``) adopted give what
+    the fused ones adopted give (logitless's head either way), Gemma's softcap included."""
+    for case in (Case("llama"), Case("gemma2")):
+        d = batch(case)
+        base = make_model(case)
+        a, b = lp.adopt(copy.deepcopy(base)), lp.adopt(vanilla(base))
+        assert lp.adopted(a) and lp.adopted(b) and not lp.adopted(base)
+        for x, y in zip(forward(a, d), forward(b, d), strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
 def test_adopt_refuses_a_model_without_prime_rls_head():
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_TEXT))
     with pytest.raises(ValueError, match="must be one of prime-rl's heads"):
