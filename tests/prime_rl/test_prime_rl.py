@@ -317,6 +317,27 @@ def test_the_switch_is_a_prime_rl_config():
     gc.collect()
     with pytest.raises(ValueError, match="trainer.loss.import_path .* no model with prime-rl's"):
         P.loss.setup_rl_loss_fn(config.loss)
+    # with a model built: adopted, and the loss is prime-rl's own with its own config's checks
+    model = make_model(Case("llama"))
+    ipo = P.configs.CustomLossConfig(
+        import_path="logitless.integrations.prime_rl.ipo_loss", kwargs={"ipo_threshold": 0.05}
+    )
+    rl_fn = P.loss.setup_rl_loss_fn(ipo)
+    assert lp.adopted(model)
+    g = torch.Generator().manual_seed(3)
+    inputs = P.loss.LossInputs(
+        trainer_logprobs=-torch.rand(9, generator=g),
+        inference_logprobs=-torch.rand(9, generator=g),
+        ref_logprobs=None,
+        advantages=torch.randn(9, generator=g),
+        loss_mask=torch.ones(9, dtype=torch.bool),
+    )
+    want = P.loss.ipo_loss_fn(inputs, P.configs.IPOLossConfig(ipo_threshold=0.05))
+    got = rl_fn(inputs)
+    assert torch.equal(got.loss, want.loss) and got.metrics.keys() == want.metrics.keys()
+    bad = P.configs.CustomLossConfig(import_path=SWITCH, kwargs={"dppo_mask_low": -1.0})
+    with pytest.raises(ValueError, match="dppo_mask_low"):
+        P.loss.setup_rl_loss_fn(bad)(inputs)
 
 
 # --- 2 gloo ranks ------------------------------------------------------------------------------

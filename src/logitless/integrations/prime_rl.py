@@ -300,9 +300,13 @@ def _prime_loss(fn_name: str, config_name: str) -> Callable[..., Any]:
     from prime_rl.trainer.rl import loss
 
     fn, config_cls = getattr(loss, fn_name), getattr(configs, config_name)
+    built: dict[tuple, Any] = {}  # prime-rl calls the loss per sample with the same kwargs
 
     def rl_loss(inputs: Any, **kwargs: Any) -> Any:
-        return fn(inputs, config_cls(**kwargs))
+        key = tuple(sorted(kwargs.items()))
+        if key not in built:
+            built[key] = config_cls(**kwargs)
+        return fn(inputs, built[key])
 
     rl_loss.__name__ = rl_loss.__qualname__ = fn_name
     rl_loss.__doc__ = f"prime-rl's ``{fn_name}`` with ``{config_name}(**kwargs)``."
