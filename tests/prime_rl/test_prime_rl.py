@@ -23,8 +23,8 @@ On 2 gloo ranks (one launch): the switch (``trainer.loss`` a ``CustomLossConfig`
 ``logitless.integrations.prime_rl.default_loss``, resolved by prime-rl's ``setup_rl_loss_fn``
 after FSDP2 sharded the model as prime-rl's ``setup_fsdp`` does: the blocks, ``[lm_head, norm]``
 unless tied, the root; bf16 mixed precision for the untied model); each rank's batch against
-prime-rl's fused head on the same sharded layout and the float64 truth, the gathered
-gradients too; context parallelism with prime-rl's ``shard_for_cp`` / ``gather_for_cp``; bad
+prime-rl's fused head (the log-prob gradient) and vanilla path (the entropy's too) on the same
+sharded layout and the float64 truth, the gathered gradients too; context parallelism with prime-rl's ``shard_for_cp`` / ``gather_for_cp``; bad
 input on one rank raising on both before the backbone.
 
 Not run: prime-rl's ``train()`` loop (it needs CUDA, its data transport and torchtitan), its
@@ -361,9 +361,10 @@ def shard(model: torch.nn.Module, mesh, mixed: bool) -> None:
 
 
 def _fsdp_case(rank: int, case: Case, mixed: bool, mesh) -> dict:
-    """The switch on a sharded model, against prime-rl's fused head sharded the same way and
-    the float64 truth of this rank's batch; gradients gathered (FSDP2 averages them: the
-    references are averaged over the ranks)."""
+    """The switch on a sharded model, against prime-rl's heads sharded the same way and the
+    float64 truth of this rank's batch: the log-prob gradient against the fused head, the
+    entropy's too against the vanilla path; gradients gathered (FSDP2 averages them: the
+    truth's are averaged over the ranks)."""
     import torch.distributed as dist
 
     d = batch(case, seed=rank)
@@ -373,21 +374,24 @@ def _fsdp_case(rank: int, case: Case, mixed: bool, mesh) -> dict:
         P.configs.CustomLossConfig(import_path=SWITCH, kwargs={"dppo_mask_low": 0.2})
     )
     assert lp.adopted(ours), "resolving the loss did not adopt the sharded model"
-    fused = make_model(case)
+    fused, van = make_model(case), vanilla(make_model(case))
     shard(fused, mesh, mixed)
+    shard(van, mesh, mixed)
     default_fn = P.loss.setup_rl_loss_fn(P.configs.DefaultLossConfig(dppo_mask_low=0.2))
     truth_model = vanilla(make_model(case, torch.float64))
     out = {}
-    for name, model, fn in (("op", ours, rl_loss_fn), ("fused", fused, default_fn)):
-        r = step(model, d, fn, entropy=False)
+    runs = [("op", ours, rl_loss_fn, False), ("fused", fused, default_fn, False)]
+    runs += [("op_e", ours, rl_loss_fn, True), ("vanilla_e", van, default_fn, True)]
+    for name, model, fn, entropy in runs:
+        r = step(model, d, fn, entropy=entropy)
         out[name] = {
             k: v.full_tensor() if type(v).__name__ == "DTensor" else v for k, v in r.items()
         }
-    truth = step(truth_model, d, default_fn, entropy=False)
-    for k, v in truth.items():
-        if k not in ("logprobs", "entropy", "loss"):
-            dist.all_reduce(v, op=dist.ReduceOp.AVG)
-    out["truth"] = truth
+    for name, entropy in (("truth", False), ("truth_e", True)):
+        out[name] = step(truth_model, d, default_fn, entropy=entropy)
+        for k, v in out[name].items():
+            if k not in ("logprobs", "entropy", "loss"):
+                dist.all_reduce(v, op=dist.ReduceOp.AVG)
     return out
 
 
@@ -474,7 +478,9 @@ def test_distributed_bad_input(ranks):
 def test_distributed_fsdp2(ranks):
     for key in [k for k in ranks[0] if k.startswith("fsdp-")]:
         for rank, r in enumerate(ranks):
-            compare(r[key]["op"], r[key]["fused"], r[key]["truth"], f"{key} rank {rank}")
+            compare(r[key]["op"], r[key]["fused"], r[key]["truth"], f"{key} rank {rank} vs fused")
+            res = r[key]
+            compare(res["op_e"], res["vanilla_e"], res["truth_e"], f"{key} rank {rank} vs vanilla")
 
 
 def test_distributed_context_parallel(ranks):
