@@ -24,8 +24,9 @@ On 2 gloo ranks (one launch): the switch (``trainer.loss`` a ``CustomLossConfig`
 after FSDP2 sharded the model as prime-rl's ``setup_fsdp`` does: the blocks, ``[lm_head, norm]``
 unless tied, the root; bf16 mixed precision for the untied model); each rank's batch against
 prime-rl's fused head (the log-prob gradient) and vanilla path (the entropy's too) on the same
-sharded layout and the float64 truth, the gathered gradients too; context parallelism with prime-rl's ``shard_for_cp`` / ``gather_for_cp``; bad
-input on one rank raising on both before the backbone.
+sharded layout and the float64 truth, the gathered gradients too; context parallelism with
+prime-rl's ``shard_for_cp`` / ``gather_for_cp``; bad input on one rank raising on both before
+the backbone.
 
 Not run: prime-rl's ``train()`` loop (it needs CUDA, its data transport and torchtitan), its
 own model classes (``impl="custom"``: behind the bypassed ``__init__``), ring attention.
