@@ -2,7 +2,7 @@
 
 Package-internal; the HF functions and the TRL trainers reach it through
 :mod:`~logitless.integrations.wrappers` (the engine is unwrapped like DDP: logitless runs as
-``engine.module``'s forward, inside the engine's) and :func:`~logitless.integrations.hf_model.
+``engine.module``'s forward, inside the engine's) and :func:`~logitless.integrations.hf.model.
 with_head` (where the head runs). It never imports DeepSpeed unless a ZeRO-3 parameter is
 there to gather.
 

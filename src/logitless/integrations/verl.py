@@ -49,7 +49,7 @@ there. From megatron-core 0.18 verl passes its ``fused_output_processor`` to
 fused forward of its own): the image / video inputs verl's engine passes (its
 ``multi_modal_inputs``) go to ``model.model``, verl's own backbone forward after
 ``apply_monkey_patch``, after the HF functions' checks of them
-(:func:`logitless.integrations.hf_vlm.check_backbone_inputs`); the position ids must be verl's
+(:func:`logitless.integrations.hf.vlm.check_backbone_inputs`); the position ids must be verl's
 ``[4, B, T]`` (``[4, 1, total_nnz]`` packed). Qwen3.5's forward also takes the packed row's
 ``cu_seqlens`` / ``cu_seqlens_cpu`` (as verl's ``qwen3_5`` forward does, so verl's engine
 passes them) and hands them to the backbone, whose linear-attention layers keep the documents
@@ -173,7 +173,7 @@ def use(model: nn.Module, *, batch_invariant: bool = False) -> None:
 #: The vision-language classes ``impl_backend=logitless`` serves: those verl 0.9's
 #: ``patch_forward_with_backends`` gives a fused forward of its own (by ``config.model_type``:
 #: ``verl.models.transformers.qwen2_vl`` / ``qwen3_vl`` / ``qwen3_5``) that logitless's HF
-#: integration audits (:data:`logitless.integrations.hf_vlm.AUDITED`). verl's
+#: integration audits (:data:`logitless.integrations.hf.vlm.AUDITED`). verl's
 #: ``apply_monkey_patch`` has replaced their backbone's forward (``model.model``) by its own,
 #: which embeds the image / video inputs; :func:`verl_forward` calls it as verl's fused forwards
 #: do. Not here: GLM-4V (verl 0.9.1's ``glm4v`` forward reads ``.shape`` of the vision tower's
@@ -376,7 +376,7 @@ def _check_cu_seqlens(
 
 def _check_inputs(model: nn.Module, inputs: hf_vlm.BackboneInputs, boundaries: bool) -> None:
     """What the backbone gets, checked as the HF functions check it
-    (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`: image inputs only for a
+    (:func:`~logitless.integrations.hf.vlm.check_backbone_inputs`: image inputs only for a
     model that takes them, matching the image tokens of ``input_ids``, position ids of its
     rope's rank); a vision-language model also needs verl's ``[4, B, T]`` position ids (text
     positions first: what verl's datasets build and its Qwen2-VL forward demands; without the
