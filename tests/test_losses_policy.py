@@ -902,6 +902,8 @@ def test_mismatch_is_floor_hand_worked(level):
         ({"mismatch_is": "token", "mismatch_is_floor": 3.0}, "mismatch_is_floor"),  # >= cap
         ({"mismatch_is": "token", "mismatch_is_floor": -1.0}, "mismatch_is_floor"),
         ({"mismatch_is": "token", "mismatch_is_floor": math.nan}, "mismatch_is_floor"),
+        ({"opsm_delta": math.inf}, "opsm_delta"),
+        ({"opsm_delta": "0.1"}, "opsm_delta"),
     ],
 )
 def test_new_options_validate(kwargs, field):
@@ -957,6 +959,12 @@ NEW_OPTION_CONFIGS = {
         mismatch_is_cap=1.5,
         mismatch_is_floor=0.9,
     ),
+    "opsm_dual_clip": PolicyLossConfig(
+        opsm_delta=0.02, dual_clip=3.0, clip_high=0.28, aggregation="seq_mean_token_mean"
+    ),
+    "opsm_gspo_tis": PolicyLossConfig(
+        ratio_level="sequence", opsm_delta=-0.01, mismatch_is="token", mismatch_is_floor=0.5
+    ),
 }
 
 
@@ -968,8 +976,9 @@ def test_new_options_fused_equals_composed(name):
     import logitless
 
     cfg = NEW_OPTION_CONFIGS[name]
-    # the new options keep a token-level loss token-local (one fused pass)
-    assert cfg.is_token_local == (cfg.ratio_level == "token")
+    # the new options keep a token-level loss token-local (one fused pass); OPSM reads each
+    # document's mean log-ratio first
+    assert cfg.is_token_local == (cfg.ratio_level == "token" and cfg.opsm_delta is None)
     g = torch.Generator().manual_seed(5)
     B, T, H, V = 3, 7, 8, 37
     hidden = torch.randn(B, T, H, generator=g, dtype=D)
@@ -1016,3 +1025,23 @@ def test_new_options_fused_equals_composed(name):
         total = total + part.detach()
     assert_close(total, fused.detach(), rtol=1e-6, atol=1e-8)
     assert_close(w3.grad, w1.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_opsm_hand_worked():
+    """Off-policy sequence masking (DeepSeek-V3.2): document 0 drifted (mean log old/θ = 0.3 >
+    δ = 0.1), document 1 did not (0.05); in document 0 only the tokens with A < 0 leave the
+    policy term (their gradient is 0), masked tokens keep their place in the denominators."""
+    lp = torch.full((2, 3), -1.0, dtype=D, requires_grad=True)
+    old = lp.detach() + torch.tensor([[0.2, 0.4, 0.3], [0.05, 0.05, 0.05]], dtype=D)
+    adv = torch.tensor([[1.0, -2.0, -1.0], [-1.0, 2.0, -3.0]], dtype=D)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    cfg = PolicyLossConfig(surrogate="reinforce", aggregation="seq_mean_token_mean", opsm_delta=0.1)
+    loss, m = policy_loss(lp, old, adv, mask, config=cfg)
+    (grad,) = torch.autograd.grad(loss, lp)
+    # reinforce: d/dlp (-A r) = -A r, r = exp(lp - old); weights 1 / (3 tokens * 2 documents)
+    r = (lp.detach() - old).exp()
+    keep = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=D)
+    assert_close(grad, -adv * r * keep / 6)
+    assert_close(m["opsm_masked_frac"], torch.tensor(2 / 6, dtype=D))
+    assert_close(m["log_ratio_mean"], (lp.detach() - old).mean())
+    assert not cfg.is_token_local and PolicyLossConfig(opsm_delta=None).is_token_local

@@ -131,6 +131,9 @@ class PolicyLossConfig:
             document; documents outside ``ratio_seq_mask_range`` are dropped from the policy
             term (prime-rl's sequence masks), or ``None``.
         ratio_seq_mask_range: ``(low, high)`` for ``ratio_seq_mask``.
+        opsm_delta: off-policy sequence masking (DeepSeek-V3.2): the tokens with ``A < 0`` of
+            a document whose mean ``log π_old − log π_θ`` over its valid tokens exceeds
+            ``δ`` leave the policy term (stop-gradient), or ``None``.
     """
 
     surrogate: str = "ppo_clip"
@@ -163,6 +166,7 @@ class PolicyLossConfig:
     distill_coef: float = 0.0
     distill_beta: float = 0.0
     distill_aggregation: str | None = None
+    opsm_delta: float | None = None
 
     def __post_init__(self) -> None:
         _choice("surrogate", self.surrogate, SURROGATES)
@@ -227,6 +231,8 @@ class PolicyLossConfig:
         if self.ratio_token_mask is not None:
             _band("ratio_token_mask", self.ratio_token_mask)
         _band("ratio_seq_mask_range", self.ratio_seq_mask_range)
+        if self.opsm_delta is not None:
+            _number("opsm_delta", self.opsm_delta)
         # JSON has no tuples: a band read back as a list is stored as the tuple it was.
         for name in _BANDS:
             value = getattr(self, name)
@@ -238,8 +244,13 @@ class PolicyLossConfig:
 
     @property
     def sums_log_ratio(self) -> bool:
-        """Needs each document's sum of ``log π_θ − log π_old`` (GSPO ratio, ratio_seq_mask)."""
-        return self.ratio_level == "sequence" or self.ratio_seq_mask is not None
+        """Needs each document's sum of ``log π_θ − log π_old`` (GSPO ratio, ratio_seq_mask,
+        opsm_delta)."""
+        return (
+            self.ratio_level == "sequence"
+            or self.ratio_seq_mask is not None
+            or self.opsm_delta is not None
+        )
 
     @property
     def sums_clipped_log_ratio(self) -> bool:

@@ -101,10 +101,11 @@ def policy_loss(
     Returns:
         ``loss``: 0-dim fp32 (or the inputs' float dtype) tensor, times
         ``normalizer.loss_scale``. ``metrics``: dict of detached 0-dim tensors, unscaled. Means
-        (``loss``, ``pg_loss``, ``clip_frac_*``, ``ratio_mean``, ``approx_kl``, ``kl_ref``,
-        ``entropy``, ``distill_divergence``, ``mismatch_kl``, ``is_weight_mean``,
-        ``is_masked_frac``,
-        ``ratio_masked_frac``) are weighted like the loss and add up over micro-batches;
+        (``loss``, ``pg_loss``, ``clip_frac_*``, ``ratio_mean``, ``log_ratio_mean`` (the
+        log-ratio the surrogate used: per token, or GSPO's document mean), ``approx_kl``,
+        ``kl_ref``, ``entropy``, ``distill_divergence``, ``mismatch_kl``, ``is_weight_mean``,
+        ``is_masked_frac``, ``ratio_masked_frac``, ``opsm_masked_frac``) are weighted like the
+        loss and add up over micro-batches;
         ``ratio_min/max`` and ``is_weight_min/max`` are extremes; ``num_tokens`` /
         ``num_sequences`` count the call's valid tokens and documents. With
         ``context_group`` every metric covers the whole group's stream (the same value on every
@@ -150,6 +151,7 @@ def _surrogate_metrics(t: LossTokens, sur: Surrogate, log_ratio: torch.Tensor) -
     if sur.clipped_dual is not None:
         out["clip_frac_dual"] = weighted_mean(sur.clipped_dual.to(dtype), mw)
     out["ratio_mean"] = weighted_mean(ratio, mw)
+    out["log_ratio_mean"] = weighted_mean(log_ratio.detach(), mw)
     out["ratio_min"] = extreme(ratio, t.valid, largest=False)
     out["ratio_max"] = extreme(ratio, t.valid, largest=True)
     # KL(π_old ‖ π_θ) from samples of π_old, k3 with r = π_θ/π_old (Schulman 2020)
