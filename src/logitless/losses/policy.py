@@ -16,7 +16,7 @@ from .config import PolicyLossConfig
 from .kl import kl_k3
 from .metrics import extreme, finish_metrics, weighted_mean
 from .normalizer import LossNormalizer
-from .ratio import sequence_log_ratio_from_mean, token_log_ratio
+from .ratio import sequence_log_ratio_from_mean, sequence_mean_log_ratio, token_log_ratio
 from .stats import compute_document_stats
 from .surrogates import MAX_LOG_RATIO, SURROGATES, Surrogate
 from .terms import TERMS
@@ -134,6 +134,11 @@ def _surrogate(t: LossTokens) -> tuple[Surrogate, torch.Tensor]:
     token_lr = token_log_ratio(t.lp, t.old)  # [N]
     if c.ratio_level == "sequence":
         log_ratio = sequence_log_ratio_from_mean(t.lp, t.doc_mean(t.stats.log_ratio))  # GSPO
+    elif c.ratio_level == "sequence_mean":  # GSPO, differentiated through the mean
+        doc_total = t.per_doc(t.stats.log_ratio)
+        log_ratio = sequence_mean_log_ratio(
+            token_lr, t.valid, t.call.seg, doc_total, t.n_doc, t.call.group
+        )
     else:
         log_ratio = token_lr
     gmpo_mean = t.doc_mean(t.stats.clipped_log_ratio) if c.sums_clipped_log_ratio else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import collectives
 from ._segments import Segments, gather, of_ids, segment_mean, sum_per_document
 
 __all__ = ["sequence_log_ratio", "sequence_mean_log_ratio", "token_log_ratio"]
@@ -56,6 +57,7 @@ def sequence_mean_log_ratio(
     segments: Segments,
     doc_total: torch.Tensor,
     doc_tokens: torch.Tensor,
+    group: object | None = None,
 ) -> torch.Tensor:
     """Each token's document mean ``mean_{t in d} log r_t``, with the mean's own gradient.  [N]
 
@@ -63,8 +65,28 @@ def sequence_mean_log_ratio(
     valid token of the document gets ``1 / n_d`` of the gradient: this is
     ``log s_d`` as a function of all the document's log-probs. The value is
     ``doc_total / doc_tokens`` (``[D]`` constants, e.g. summed over a context-parallel group);
-    the gradient flows through this call's tokens of ``token_log_ratio``.
+    the gradient flows through this call's tokens of ``token_log_ratio``. ``group``: the
+    context-parallel group the documents are split over: the gradient of each document's mean
+    is summed over it in backward (one all-reduce of ``[D]``, on every rank), so a token gets
+    the whole document's share, wherever the document's other tokens are; without it, only
+    this call's tokens' share.
     """
     local = sum_per_document(torch.where(valid, token_log_ratio, 0.0), segments)  # [D]
     mean = (doc_total.detach() + local - local.detach()) / doc_tokens.clamp(min=1.0)  # [D]
+    if group is not None:
+        mean = _SumGradient.apply(mean, group)
     return gather(mean, segments)  # [N]
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity in forward; in backward the gradient summed over ``group`` (every rank's
+    share of the loss depends on a document statistic through every rank's tokens)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: object) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return collectives.all_reduce(grad.contiguous(), ctx.group, "sum"), None

@@ -126,7 +126,7 @@ def kl_to_reference(t: LossTokens) -> Term | None:
     kl = kl_penalty(t.lp, ref, c.kl_estimator, c.kl_log_ratio_clamp, c.kl_value_clamp)  # [N]
     if c.kl_importance_weight:
         token_lr = token_log_ratio(t.lp, t.old)
-        if c.ratio_level == "sequence":  # s_d, differentiable in all its tokens
+        if c.ratio_level != "token":  # s_d, differentiable in all its tokens
             log_ratio = sequence_mean_log_ratio(
                 token_lr, t.valid, t.call.seg, t.per_doc(t.stats.log_ratio), t.n_doc
             )
