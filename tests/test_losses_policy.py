@@ -965,6 +965,9 @@ NEW_OPTION_CONFIGS = {
     "opsm_gspo_tis": PolicyLossConfig(
         ratio_level="sequence", opsm_delta=-0.01, mismatch_is="token", mismatch_is_floor=0.5
     ),
+    "gspo_mean_tis_dual_clip": PolicyLossConfig(
+        ratio_level="sequence_mean", mismatch_is="token", dual_clip=2.0, clip_high=0.1
+    ),
 }
 
 
@@ -1045,3 +1048,49 @@ def test_opsm_hand_worked():
     assert_close(m["opsm_masked_frac"], torch.tensor(2 / 6, dtype=D))
     assert_close(m["log_ratio_mean"], (lp.detach() - old).mean())
     assert not cfg.is_token_local and PolicyLossConfig(opsm_delta=None).is_token_local
+
+
+@pytest.mark.parametrize("per_token_factor", [False, True])
+def test_sequence_mean_is_the_gspo_objective_through_the_mean(per_token_factor):
+    """ratio_level="sequence_mean" is GSPO's sequence objective with s_d = exp(mean_t log r_t)
+    differentiated through the mean (slime's gspo): per token L_t = max(-s_d A_t,
+    -clip(s_d) A_t) · w_t (w_t: a truncated IS weight), aggregated per sequence. With per-token
+    advantages (or IS weights) its gradient differs from GSPO-token's ("sequence"); with one
+    advantage per sequence and no factor, they agree."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 3, 6
+    lp = (-torch.rand(B, T, generator=g, dtype=D) * 2).requires_grad_()
+    old = lp.detach() + 0.1 * torch.randn(B, T, generator=g, dtype=D)
+    rollout = old + 0.3 * torch.randn(B, T, generator=g, dtype=D)
+    adv = (
+        torch.randn(B, T, generator=g, dtype=D)
+        if per_token_factor
+        else torch.randn(B, 1, generator=g, dtype=D).expand(B, T)
+    )
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :2] = False
+    extra = dict(mismatch_is="token", mismatch_is_cap=1.2) if per_token_factor else {}
+    cfg = PolicyLossConfig(ratio_level="sequence_mean", aggregation="seq_mean_token_mean",
+                           clip_low=0.05, clip_high=0.05, **extra)  # fmt: skip
+    kw = dict(rollout_logprobs=rollout) if per_token_factor else {}
+    loss, _ = policy_loss(lp, old, adv, mask, config=cfg, **kw)
+    (grad,) = torch.autograd.grad(loss, lp)
+    # the objective, written out
+    m = mask.to(D)
+    log_s = ((lp - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+    s = log_s.exp()
+    per_token = torch.maximum(-s * adv, -s.clamp(0.95, 1.05) * adv)
+    if per_token_factor:
+        per_token = per_token * (old - rollout).exp().clamp(max=1.2)
+    truth = ((per_token * m).sum(-1) / m.sum(-1)).mean()
+    (truth_grad,) = torch.autograd.grad(truth, lp)
+    assert_close(loss, truth)
+    assert_close(grad, truth_grad)
+    token_form = replace(cfg, ratio_level="sequence")
+    (token_grad,) = torch.autograd.grad(
+        policy_loss(lp, old, adv, mask, config=token_form, **kw)[0], lp
+    )
+    if per_token_factor:
+        assert not torch.allclose(token_grad, truth_grad)
+    else:
+        assert_close(token_grad, truth_grad)
