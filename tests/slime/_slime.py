@@ -240,14 +240,21 @@ def rollout(seed: int = 1) -> dict:
     masks = [torch.ones(r, dtype=torch.int) for r in RESPONSES]
     masks[1][1:3] = 0
     masks[3][:] = 0
+    advantages = [torch.randn(r, generator=g) for r in RESPONSES]
+    noise = [0.25 * torch.randn(3, r, generator=g) for r in RESPONSES]  # old, ref, rollout
+    # a few tokens far off: ratios past the dual clip (3) where A < 0, KL values past
+    # low_var_kl's clamp (10), IS weights past both TIS bounds
+    advantages[2][2:4] = -1.0
+    noise[2][0, 2:4] = -1.5
+    noise[2][1, 5:7] = 3.0
     return {
         "tokens": [torch.randint(0, V, (t,), generator=g) for t in TOTALS],
         "total_lengths": list(TOTALS),
         "response_lengths": list(RESPONSES),
         "loss_masks": masks,
         "rollout_mask_sums": torch.stack([m.sum() for m in masks]).float(),
-        "full_advantages": [torch.randn(r, generator=g) for r in RESPONSES],
-        "noise": [0.25 * torch.randn(3, r, generator=g) for r in RESPONSES],
+        "full_advantages": advantages,
+        "noise": noise,
     }
 
 
@@ -269,26 +276,38 @@ def iterator(data: dict, micro_batches=MICRO_BATCHES):
 
 
 def with_log_probs(model, args, data: dict) -> dict:
-    """``data`` with the old, reference and rollout log-probs: the model's own (slime's
-    ``forward_only`` pass: no gradient, ``get_log_probs_and_entropy`` on what the model returns)
-    plus noise, and the advantages, all sliced for this rank."""
+    """``data`` with the old, reference and rollout log-probs: the model's own plus noise, and
+    the advantages, all sliced for this rank (on the last pipeline stage; the others hold no
+    loss input). The model's log-probs come from slime's ``forward_only`` pass as it runs it:
+    Megatron's schedule with ``forward_only=True`` (no gradient), ``get_log_probs_and_entropy``
+    on what the model returns."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from slime.backends.megatron_utils.data import get_batch
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
 
-    it = iterator(data)
-    log_probs = []
+    keys = ["tokens", "loss_masks", "multimodal_train_inputs", "total_lengths", "response_lengths"]
+
+    def step(data_iterator, model, return_schedule_plan: bool = False):  # forward_only's
+        batch = get_batch(data_iterator, keys, args.data_pad_size_multiplier, args.allgather_cp)
+        out = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None,
+                    labels=None, packed_seq_params=batch["packed_seq_params"],
+                    loss_mask=batch["full_loss_masks"])  # fmt: skip
+        return out, partial(
+            get_log_probs_and_entropy, args=args, unconcat_tokens=batch["unconcat_tokens"],
+            total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+            with_entropy=args.use_rollout_entropy,
+        )  # fmt: skip
+
     with torch.no_grad():
-        for _ in MICRO_BATCHES:
-            batch = get_batch(it, ["tokens", "loss_masks", "total_lengths", "response_lengths"],
-                              args.data_pad_size_multiplier, args.allgather_cp)  # fmt: skip
-            out = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None,
-                        labels=None, packed_seq_params=batch["packed_seq_params"],
-                        loss_mask=batch["full_loss_masks"])  # fmt: skip
-            _, res = get_log_probs_and_entropy(
-                out, args=args, unconcat_tokens=batch["unconcat_tokens"],
-                total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
-            )  # fmt: skip
-            log_probs += res["log_probs"]
+        store = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iterator(data), model=[model],
+            num_microbatches=len(MICRO_BATCHES), seq_length=max(TOTALS), micro_batch_size=1,
+            forward_only=True,
+        )  # fmt: skip
+    if not ps.is_pipeline_last_stage():
+        return dict(data, advantages=local(data["full_advantages"], data))
+    log_probs = [lp for res in store for lp in res["log_probs"]]
     noise = [local([n[k] for n in data["noise"]], data) for k in range(3)]
     return dict(
         data,
