@@ -459,9 +459,19 @@ TWO_RANKS = [
 ]
 
 
+FOUR_RANKS = [
+    ("loss:tp2_cp2_sp_allgather", (2, 2, True, True, CROSS_RANK[:2])),
+]
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     return spawn(_run_checks, 2, TWO_RANKS, timeout_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return spawn(_run_checks, 4, FOUR_RANKS, timeout_s=120.0)
 
 
 def _passed(results: list[dict], name: str) -> None:
@@ -493,3 +503,10 @@ def test_bad_input_raises_on_every_rank(two_ranks):
     """Each refused option names itself (before any model is built); the switch's two halves
     go together; a batch that does not match raises on every rank of the group."""
     _passed(two_ranks, "errors")
+
+
+@pytest.mark.parametrize("name", [n for n, _ in FOUR_RANKS])
+def test_tensor_and_context_parallel(four_ranks, name):
+    """TP=2 x CP=2 with sequence parallelism and --allgather-cp on 4 ranks (GSPO with OPSM,
+    IcePop with the per-token loss)."""
+    _passed(four_ranks, name)
