@@ -83,3 +83,26 @@ def test_with_head_needs_an_output_processor_and_skips_a_stage_without_the_head(
 def test_the_loss_refuses_logits():
     with pytest.raises(ValueError, match="custom-model-provider-path"):
         ls.head_stage(torch.zeros(1, 4, 8))
+
+
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/slime_step.py (its full-size run is the lead's: docs/slime.md) at a tiny
+    shape, on one rank (the two-rank numbers are test_slime.py's): both rows in the CSV, the
+    same loss both ways."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "slime_step.csv"
+    env = dict(os.environ, PYTHONPATH=str(sl.ROOT / "src"))
+    cmd = [sys.executable, str(sl.ROOT / "benchmarks" / "slime_step.py"), "--seq", "256",
+           "--samples", "2", "--hidden", "32", "--vocab", "256", "--repeats", "1",
+           "--tp", "1", "--slime-args=--entropy-coef 0.01", "--csv", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ratio logitless/slime: memory" in run.stdout
+    rows = list(csv.DictReader(out.open()))
+    assert [r["method"] for r in rows] == ["slime", "logitless"]
+    assert rows[0]["tokens"] == "256" and rows[0]["slime_args"] == "--entropy-coef 0.01"
+    assert float(rows[0]["loss"]) == pytest.approx(float(rows[1]["loss"]), rel=1e-5)
