@@ -73,20 +73,8 @@ def sequence_mean_log_ratio(
     """
     local = sum_per_document(torch.where(valid, token_log_ratio, 0.0), segments)  # [D]
     mean = (doc_total.detach() + local - local.detach()) / doc_tokens.clamp(min=1.0)  # [D]
-    if group is not None:
-        mean = _SumGradient.apply(mean, group)
+    if group is not None and mean.requires_grad:
+        # every rank's share of the loss reaches each document's mean through every rank's
+        # tokens: the gradient of the mean is their sum
+        mean.register_hook(lambda grad: collectives.all_reduce(grad, group, "sum"))
     return gather(mean, segments)  # [N]
-
-
-class _SumGradient(torch.autograd.Function):
-    """The identity in forward; in backward the gradient summed over ``group`` (every rank's
-    share of the loss depends on a document statistic through every rank's tokens)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: object) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return collectives.all_reduce(grad.contiguous(), ctx.group, "sum"), None

@@ -16,9 +16,10 @@ Under context parallelism each rank holds:
 In both modes slime hands the loss its per-token inputs (advantages, old / reference /
 rollout log-probs) per sample in the zigzag order of ``get_logits_and_tokens_offset_with_cp``
 (its ``cp_utils.py``), and the loss masks whole. :func:`responses` reads the layout from the
-lengths alone (no host read); :meth:`Responses.per_token` lays an input out like the hidden
-states' rows (with ``--allgather-cp`` through one all-reduce over the context-parallel group,
-no gradient: the inputs are constants).
+lengths slime holds as Python ints (one host read: the check of ``rollout_mask_sums``);
+:meth:`Responses.per_token` lays an input out like the hidden states' rows (with
+``--allgather-cp`` through one all-reduce over the context-parallel group, no gradient: the
+inputs are constants).
 """
 
 from __future__ import annotations
