@@ -41,7 +41,7 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     ),
     "gspo_opsm": (
         ["--advantage-estimator", "gspo", "--eps-clip", "0.02", "--eps-clip-high", "0.03",
-         "--use-opsm", "--opsm-delta", "0.01"],
+         "--use-opsm", "--opsm-delta", "0.01", "--use-rollout-logprobs"],
         {},
     ),
     "cispo_tis_unbiased_k2": (

@@ -110,13 +110,14 @@ def _old_key(args: Any) -> str:
 def _needed(args: Any) -> dict[str, bool]:
     """The per-token inputs of slime's batch the loss reads: advantages and the ratio's old
     log-probs always, the reference's with ``--use-kl-loss``, the rollout's with the mismatch
-    correction."""
-    return {
+    correction (or as the old ones, ``--use-rollout-logprobs``)."""
+    needed = {
         "advantages": True,
-        _old_key(args): True,
         "ref_log_probs": bool(getattr(args, "use_kl_loss", False)),
         "rollout_log_probs": mismatch_active(args),
     }
+    needed[_old_key(args)] = True
+    return needed
 
 
 def _check_inputs(args: Any, batch: Mapping[str, Any], layout: Responses) -> None:
@@ -133,13 +134,12 @@ def _check_inputs(args: Any, batch: Mapping[str, Any], layout: Responses) -> Non
 def _loss_inputs(args: Any, batch: Mapping[str, Any], layout: Responses) -> LossInputs:
     """slime's per-token inputs laid out like the labels (with ``--allgather-cp`` one
     all-reduce each over the context-parallel group, on every rank)."""
-    needed = _needed(args)
-    tensors = {k: layout.per_token(batch[k]) if v else None for k, v in needed.items()}
+    tensors = {k: layout.per_token(batch[k]) for k, v in _needed(args).items() if v}
     return LossInputs(
         old_logprobs=tensors[_old_key(args)],
         advantages=tensors["advantages"],
-        ref_logprobs=tensors["ref_log_probs"],
-        rollout_logprobs=tensors["rollout_log_probs"] if needed["rollout_log_probs"] else None,
+        ref_logprobs=tensors.get("ref_log_probs"),
+        rollout_logprobs=tensors["rollout_log_probs"] if mismatch_active(args) else None,
         document_ids=layout.document_ids,
     )
 
