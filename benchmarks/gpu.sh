@@ -63,7 +63,7 @@ stage cuda-tests 240 python3 -m pytest -q -p no:cacheprovider -rs -n 8 tests/tes
     tests/test_batch_invariance.py::test_cuda_probe_bits_and_ratio
 
 # A Qwen2.5-7B-sized head in bf16 (issue 43's shape), each size alone, then the fused loss.
-bench=(python3 -m logitless bench --device cuda --repeats 5 --csv "$out/bench.csv")
+bench=(python3 -m logitless bench --device cuda --repeats 5 --full --csv "$out/bench.csv")
 qwen=(--dtype bfloat16 --hidden 3584 --vocab 152064)
 stage bench-bf16-16k 120 "${bench[@]}" "${qwen[@]}" --tokens 16384 \
     --plot "$out/bench_bf16_16k.png"

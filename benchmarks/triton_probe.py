@@ -119,9 +119,9 @@ def main() -> None:
     import triton
 
     print("triton", triton.__version__)
-    from logitless.backends import triton_launch as triton_head
+    from logitless.backends.base import _has_fp32_out_mm
 
-    print("addmm out_dtype fp32:", triton_head._has_fp32_out_mm(torch.device("cuda")))
+    print("addmm out_dtype fp32:", _has_fp32_out_mm(torch.device("cuda")))
     t0 = time.time()
     for dt in () if args.skip_correctness else (torch.bfloat16, torch.float32):
         correctness(dt)

@@ -15,8 +15,8 @@ memory of a step and the run time; the plot (demo-results/) shows reward and mem
 anywhere in that spread) and checks that both compute the same update.
 
 The loop itself (sampling with the KV cache, GRPO advantages, no-grad old and reference
-log-probs, the clipped loss with a KL term, AdamW) is in ``logitless/apps/demo.py``: read
-``rollout``, ``step_loss`` and ``run_demo`` there.
+log-probs, the clipped loss with a KL term, AdamW) is in the package ``logitless/apps/demo/``:
+read ``rollout`` and ``step_loss`` in ``step.py``, ``run_demo`` in ``loop.py``.
 """
 
 import sys

@@ -25,13 +25,20 @@ def ds_env(rank: int, world: int, port: int) -> None:
     )  # fmt: skip
 
 
-def zero_config(stage: int, **extra) -> dict:
-    """A DeepSpeed config of ZeRO ``stage``; under stage 3 every parameter partitioned
-    (``stage3_param_persistence_threshold=0``: DeepSpeed keeps parameters under the threshold,
-    1e5 elements by default, whole on every rank, which would be all of a tiny model)."""
+#: DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): every parameter of
+#: the tests' tiny models is under it.
+DEFAULT_PERSISTENCE = 100_000
+
+
+def zero_config(stage: int, persistence: int | None = 0, **extra) -> dict:
+    """A DeepSpeed config of ZeRO ``stage``; under stage 3 with
+    ``stage3_param_persistence_threshold=persistence`` (None: DeepSpeed's default). A parameter
+    of no more elements is persistent: partitioned until DeepSpeed first gathers it (in its
+    module's forward or after an optimizer step), whole on every rank from then on. The default
+    0 partitions every parameter; DeepSpeed's own would make all of a tiny model persistent."""
     zero: dict = {"stage": stage}
-    if stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0
+    if stage == 3 and persistence is not None:
+        zero["stage3_param_persistence_threshold"] = persistence
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -46,3 +53,10 @@ def assert_partitioned(param) -> None:
     assert hasattr(param, "ds_id"), "not a ZeRO-3 parameter"
     assert param.data.numel() == 0, f"gathered: {tuple(param.data.shape)}"
     assert param.ds_tensor.numel() < param.ds_numel, "whole on this rank (persistent)"
+
+
+def assert_persistent(param) -> None:
+    """A persistent ZeRO-3 parameter, whole on this rank (as DeepSpeed keeps it after a step)."""
+    assert hasattr(param, "ds_id"), "not a ZeRO-3 parameter"
+    assert param.ds_persist, f"not persistent: {param.ds_numel} elements"
+    assert param.data.numel() == param.ds_numel, f"partitioned: {tuple(param.data.shape)}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,12 @@ def test_bench_end_to_end(tmp_path: Path) -> None:
         # progress: method i of n, repeat j of r, elapsed and time left, on stderr only
         assert f"method {i}/{len(METHODS)} {name} (tokens=32): repeat 1/1 " in proc.stderr
     assert "elapsed 0:" in proc.stderr and " left" in proc.stderr
-    table = proc.stdout.splitlines()
+    head, second, *table = proc.stdout.splitlines()  # what runs, where its progress goes
+    assert head.startswith("logitless bench: task=logprobs H=32 V=512 float32 cpu threads=1")
+    assert second == (
+        f"methods: {', '.join(METHODS)}; progress goes to stderr, the table comes here when "
+        "they are done"
+    )
     assert table[0].split()[:4] == ["tokens", "method", "median", "s"]
     assert [ln.split()[1] for ln in table[2 : 2 + len(METHODS)]] == METHODS
     assert not [ln for ln in table if "elapsed" in ln or ln.startswith(("[", "  method"))]
@@ -87,15 +93,35 @@ def test_bench_quiet_keeps_one_line_per_method() -> None:
     # The busy-machine warning, when other processes ran meanwhile, is the table's last line
     # on stdout (test_load_monitor_flags_other_processes_and_steal), never repeated on stderr.
     err = proc.stderr.splitlines()
-    assert len(err) == 3 and err[0].startswith("logitless bench: task=logprobs")
-    assert err[1].startswith("[1/2] tokens=32 naive: ") and err[2].startswith(
-        "[2/2] tokens=32 floor3:"
-    )
+    assert len(err) == 2 and err[0].startswith("[1/2] tokens=32 naive: ")
+    assert err[1].startswith("[2/2] tokens=32 floor3:")
     assert "elapsed" not in proc.stderr
-    table = proc.stdout.splitlines()
+    table = proc.stdout.splitlines()[2:]  # under the run's two lines
     assert table[0].split()[:2] == ["tokens", "method"] and table[1].startswith("------")
     assert [ln.split()[1] for ln in table[2:4]] == ["naive", "floor3"]
     assert table[4].startswith("memfloor = ")
+
+
+def test_stdout_says_at_once_where_the_progress_goes(tmp_path: Path) -> None:
+    """A stdout redirected to a file or a pipe gets the run's first lines at once (flushed),
+    saying that the progress goes to stderr, before the run ends; the table follows."""
+    cmd = [sys.executable, "-m", "logitless", "bench", *TINY, "--no-csv", "--quiet"]
+    cmd += ["--methods", "naive", "floor3"]
+    log = tmp_path / "stderr.log"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as users run it
+    with (
+        log.open("w") as err,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc,
+    ):
+        assert proc.stdout is not None
+        first, second = proc.stdout.readline(), proc.stdout.readline()
+        progress_then = log.read_text()  # a block-buffered stdout gives nothing before exit
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=120) == 0
+    assert first.startswith("logitless bench: task=logprobs")
+    assert second.startswith("methods: naive, floor3; progress goes to stderr")
+    assert "[2/2]" not in progress_then and "[2/2]" in log.read_text()
+    assert rest.splitlines()[0].split()[:2] == ["tokens", "method"]
 
 
 @pytest.mark.parametrize("rounds", [3, 1])
@@ -126,7 +152,7 @@ def test_rounds_order_the_workers(rounds: int) -> None:
             for s in ("warm-up", "repeat 1/3", "repeat 2/3", "repeat 3/3")
         ]
     assert steps == want
-    assert f"repeats=3 rounds={rounds} " in proc.stderr
+    assert f"repeats=3 rounds={rounds} " in proc.stdout.splitlines()[0]
     assert "[1/2] tokens=32 naive: " in proc.stderr and "[2/2] tokens=32 floor3: " in proc.stderr
 
 
@@ -355,6 +381,20 @@ def test_ratios_and_csv_append(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert lines[0] == ",".join(CSV_COLUMNS) and len(lines) == 1 + len(rows) + 1
     assert lines.count(lines[0]) == 1
+
+
+def test_output_csv_overwrites_or_appends_with_one_header(tmp_path: Path) -> None:
+    """``apps.output.write_csv``, the CSV writer of the bench and the demo: a new file (its
+    folder created) gets the header; ``append`` adds rows under it, else the file is
+    replaced."""
+    from logitless.apps.output import write_csv
+
+    path = tmp_path / "new" / "t.csv"
+    write_csv(path, ["a", "b"], [{"a": 1, "b": 2}], append=True)
+    write_csv(path, ["a", "b"], [{"a": 3, "b": 4}], append=True)
+    assert path.read_text().splitlines() == ["a,b", "1,2", "3,4"]
+    write_csv(path, ["a", "b"], [{"a": 5, "b": 6}])
+    assert path.read_text().splitlines() == ["a,b", "5,6"]
 
 
 def test_csv_with_other_columns_is_refused_before_running(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from logitless.apps.bench.harness import Row, add_ratios, append_csv
+from logitless.apps.bench.load import LoadReport
 from logitless.apps.bench.plot import _short_reason, _title, rows_from_csv
 from logitless.apps.bench.workload import Workload
 
@@ -136,7 +137,7 @@ def test_every_floor_of_a_task_is_drawn_in_a_legend_under_the_panels(tokens) -> 
     ax_t = fig.axes[0]
     floor6 = [line for line in ax_t.lines if line.get_label().startswith("floor6: 6 bare")]
     assert len(floor6) == 1 and floor6[0].get_linestyle() != "-"
-    legend = fig.legends[0].get_window_extent()
+    legend = fig.subfigs[0].legends[0].get_window_extent()
     for ax in fig.axes[:2]:
         assert not ax.get_legend()  # no legend inside an axis
         label = ax.xaxis.label.get_window_extent()
@@ -179,3 +180,78 @@ def test_plot_script_redraws_a_csv_run(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = subprocess.run([*cmd, "--run", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no run 'nope'" in bad.stderr
+
+
+BUSY = LoadReport(others=0.35, steal=0.01).note()
+
+
+def _with_skipped_peers(rows: list[Row]) -> list[Row]:
+    """``rows`` and the methods a default run on a machine without peers lists as skipped."""
+    for n in dict.fromkeys(r.work.tokens for r in rows):
+        for method, reason in (
+            ("logitless_torch", "auto already runs the torch tiles here"),
+            ("cce", "cut-cross-entropy is not installed"),
+            ("trl", "trl is not installed"),
+        ):
+            rows.append(Row(method, _work(n), "skipped", reason=reason))
+    return rows
+
+
+@needs_mpl
+@pytest.mark.parametrize("tokens", [(1024,), (256, 1024)])
+@pytest.mark.parametrize("warning", ["", BUSY], ids=["quiet", "busy"])
+def test_legend_footnote_and_warning_do_not_overlap(
+    tmp_path: Path, monkeypatch, tokens, warning
+) -> None:
+    """Rendered to a PNG (Agg): the legend, the line of skipped methods under the plot and the
+    title (with the busy-machine warning the table prints, when the run had one) are apart.
+    The legend and the footnote once shared the figure's bottom margin and overlapped."""
+    from matplotlib.figure import Figure
+
+    from logitless.apps.bench import plot
+
+    real_savefig = Figure.savefig
+    seen: dict[str, object] = {}
+
+    def keep(fig, *args, **kwargs):  # the boxes as written, after the layout ran
+        real_savefig(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        seen["fig"] = fig
+        (legend,) = [*fig.legends, *(lg for sub in fig.subfigs for lg in sub.legends)]
+        seen["legend"] = legend.get_window_extent(renderer)
+        for name, text in (("footnote", fig._supxlabel), ("title", fig._suptitle)):
+            seen[name] = text.get_window_extent(renderer)
+        seen["axes"] = [ax.get_window_extent(renderer) for ax in fig.axes[:2]]
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    png = tmp_path / "p.png"
+    plot.plot_rows(_with_skipped_peers(_run(tokens)), png, CPU, warning=warning)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig, legend, footnote, title = (seen[k] for k in ("fig", "legend", "footnote", "title"))
+    assert "liger: skipped: not installed" in fig._supxlabel.get_text()
+    assert not legend.overlaps(footnote) and not legend.overlaps(title)
+    assert not footnote.overlaps(title)
+    for box in seen["axes"]:
+        assert not box.overlaps(footnote) and not box.overlaps(title)
+    text = fig._suptitle.get_text()
+    assert ("warning: machine busy during the run: other processes used 35%" in text) == bool(
+        warning
+    )
+    assert "time ratios may be off" in text.replace("\n", " ") or not warning
+
+
+@needs_mpl
+def test_plot_script_carries_the_busy_warning_of_the_csv(tmp_path: Path, monkeypatch) -> None:
+    """A run recorded as busy (its rows' notes end with the warning, as ``logitless bench``
+    writes them) is redrawn with the warning in the title."""
+    from logitless.apps.bench import plot
+
+    rows = _run((1024,))
+    for r in rows:
+        r.reason = "; ".join(n for n in (r.reason, BUSY) if n)
+    path = tmp_path / "bench.csv"
+    append_csv(path, rows, "t1")
+    figures = []
+    monkeypatch.setattr(plot, "save_figure", lambda fig, png: figures.append(fig))
+    assert plot.main([str(path), str(tmp_path / "out.png")]) == 0
+    assert "warning: machine busy during the run" in figures[0]._suptitle.get_text()

@@ -323,14 +323,16 @@ def _compare_head_steps(compiled):
 
 
 def test_every_registered_backend_is_loaded_by_an_import_statement():
-    """backend_for loads a backend by a plain import statement (what Dynamo can trace), not by
-    importlib: each module the registry names has its loader, which returns that module."""
+    """backend_for / divergence_backend_for load a backend by a plain import statement (what
+    Dynamo can trace), not by importlib: each module the registry names, for every op of every
+    backend, has its loader, which returns that module."""
     from logitless.backends import LOADERS
-    from logitless.contract.backend import BACKENDS
+    from logitless.contract.backend import BACKENDS, OPS
 
-    assert set(LOADERS) == {spec.module for spec in BACKENDS.values()}
-    torch_tiles = "logitless.backends.torch_tiles"
-    assert LOADERS[torch_tiles]().__name__ == torch_tiles
+    assert all(set(spec.modules) == set(OPS) for spec in BACKENDS.values())
+    assert set(LOADERS) == {m for spec in BACKENDS.values() for m in spec.modules.values()}
+    for name in BACKENDS["torch"].modules.values():
+        assert LOADERS[name]().__name__ == name
 
 
 def test_compiled_step_of_the_default_mode_breaks_the_graph():

@@ -68,13 +68,78 @@ def test_bench_help_lists_every_task_and_its_methods(capsys: pytest.CaptureFixtu
 
 
 def test_bench_default_methods_leave_out_torch_lce_on_cpu() -> None:
-    """PyTorch's chunked head takes 11x naive's time on a 2-core CPU: a default CPU run leaves
-    it out (named, it runs); on CUDA it is a default method."""
+    """PyTorch's chunked head takes 11x naive's time on a 2-core CPU: a full CPU run leaves it
+    out (named, it runs); on CUDA it is one of the full run's peers."""
     import argparse
 
     parser = argparse.ArgumentParser()
-    cpu = cli._selected_methods(parser, argparse.Namespace(task="logprobs", device="cpu"))
-    gpu = cli._selected_methods(parser, argparse.Namespace(task="logprobs", device="cuda"))
+    cpu = cli._selected_methods(parser, argparse.Namespace(task="logprobs", device="cpu", full=1))
+    gpu = cli._selected_methods(parser, argparse.Namespace(task="logprobs", device="cuda", full=1))
     assert "torch_lce" not in cpu and "torch_lce" in gpu and "naive" in cpu
     named = argparse.Namespace(task="logprobs", device="cpu", methods=["naive,torch_lce"])
     assert cli._selected_methods(parser, named) == ["naive", "torch_lce"]
+
+
+def _bench_in_process(monkeypatch: pytest.MonkeyPatch, busy: bool = False) -> dict:
+    """``logitless bench`` run here with the measurement replaced: what it would run (methods,
+    rounds) and the warning it hands the plot go into the dict returned."""
+    from logitless.apps.bench import harness, load, plot
+
+    seen: dict = {}
+
+    def run_bench(methods, workloads, *, log, timeout_s, progress, rounds):
+        seen.update(methods=list(methods), rounds=rounds)
+        return [harness.Row(m, workloads[0], "ok", "", 1.0, 1.0, 1.0, 1.0) for m in methods]
+
+    class Monitor:
+        def report(self) -> load.LoadReport:
+            return load.LoadReport(others=0.5 if busy else 0.0, steal=0.0)
+
+    monkeypatch.setattr(harness, "run_bench", run_bench)
+    monkeypatch.setattr(load, "LoadMonitor", Monitor)
+    monkeypatch.setattr(
+        plot, "plot_rows", lambda rows, path, machine, warning: seen.update(warning=warning)
+    )
+    return seen
+
+
+def test_bench_default_is_a_first_look_that_names_the_full_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``logitless bench`` alone: logitless, naive and the floors (no peers) in one round, the
+    first stdout lines say what runs and where the progress goes, the last how to get the
+    full table; ``--full``: the installed peers too and, on CPU, 3 rounds."""
+    seen = _bench_in_process(monkeypatch)
+    assert cli.main(["bench", "--no-csv"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert seen == {
+        "methods": ["naive", "logitless", "logitless_torch", "floor3", "floor4"],
+        "rounds": 1,
+    }
+    assert out[0].startswith("logitless bench: task=logprobs H=896 V=151936 float32 cpu")
+    assert "repeats=3 rounds=1 tokens=1024" in out[0]
+    assert out[1].startswith("methods: naive, logitless, logitless_torch, floor3, floor4; ")
+    assert "progress goes to stderr" in out[1] and out[2].startswith("tokens")
+    assert out[-1].startswith("a first look: logitless against naive and the bare-matmul floors")
+    assert "The full table: logitless bench --full" in out[-1]
+
+    assert cli.main(["bench", "--no-csv", "--full"]) == 0
+    assert "a first look" not in capsys.readouterr().out
+    assert {"liger", "cce", "trl"} <= set(seen["methods"]) and seen["rounds"] == 3
+    assert "torch_lce" not in seen["methods"]  # 11x naive's time on a CPU: named to run
+    assert cli.main(["bench", "--no-csv", "--rounds", "2"]) == 0 and seen["rounds"] == 2
+    assert "the peers left out, 2 rounds. The full table" in capsys.readouterr().out
+    assert cli.main(["bench", "--no-csv", "--methods", "naive", "cce"]) == 0
+    assert seen["methods"] == ["naive", "cce"] and "a first look" not in capsys.readouterr().out
+
+
+def test_bench_puts_the_busy_warning_on_the_plot(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    """The warning that ends the table of a busy run goes on the plot too."""
+    pytest.importorskip("matplotlib")
+    seen = _bench_in_process(monkeypatch, busy=True)
+    assert cli.main(["bench", "--no-csv", "--plot", str(tmp_path / "p.png")]) == 0
+    table_warning = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warn")]
+    assert table_warning == [f"warning: {seen['warning']}"]
+    assert seen["warning"].startswith("machine busy during the run: other processes used 50%")

@@ -1,19 +1,25 @@
 """The HF functions on a DeepSpeed ZeRO-3 engine, 2 gloo ranks on the CPU accelerator.
 
 Each rank scores its own batch (so a gradient that is not reduced differs between ranks) with
-three engines built from one tiny Qwen2, every parameter partitioned
-(``stage3_param_persistence_threshold=0``, asserted): stock (``engine(ids).logits``, the
-log-probs / loss / divergence from the full logits), and logitless (the HF function on the
-engine). The loss and every parameter's full gradient (``safe_get_full_grad``, the average over
-the ranks after ZeRO-3's reduce-scatter) are held to stock DeepSpeed's own error against a
-float64 truth (the same model unwrapped in float64, gradients averaged over the ranks:
-tests/_tolerance.py). After the backward the head weight must be partitioned again (no
-full-size copy kept) and no gather left open.
+three engines built from one tiny Qwen2: stock (``engine(ids).logits``, the log-probs / loss /
+divergence from the full logits), and logitless (the HF function on the engine). Every case
+runs with every parameter partitioned (``stage3_param_persistence_threshold=0``, asserted), and
+again under DeepSpeed's default threshold (1e5 elements: every parameter persistent, which is a
+partition until DeepSpeed first gathers it in its module's forward: never, for a head whose
+``lm_head`` forward does not run). The loss and every parameter's full gradient
+(``safe_get_full_grad``, the average over the ranks after ZeRO-3's reduce-scatter) are held to
+stock DeepSpeed's own error against a float64 truth (the same model unwrapped in float64,
+gradients averaged over the ranks: tests/_tolerance.py). After the backward the head weight
+must be partitioned again (no full-size copy kept; persistent weights aside, which DeepSpeed
+keeps whole once gathered), no gather left open, and the head weight never read through
+DeepSpeed's getter (which, inside the engine's forward, gathers a partitioned parameter for the
+whole model's forward and backward).
 
-One launch of 2 processes runs every case (tied and untied heads). A mutation that closes the
-gather when the head's forward returns (``_close_early``), run last in the same launch, must
-fail every kind: the log-prob op and the divergence read the weight again in backward, and
-torch accumulates the fused loss's weight gradient only into a parameter of its full shape.
+One launch of 2 processes runs every case (tied and untied heads, both thresholds). A mutation
+that closes the gather when the head's forward returns (``_close_early``), run last in the same
+launch, must fail every kind: the log-prob op and the divergence read the weight again in
+backward, and torch accumulates the fused loss's weight gradient only into a parameter of its
+full shape.
 """
 
 from __future__ import annotations
@@ -103,11 +109,12 @@ def _ours(kind, model, teacher, batch):
     return (out.divergence * up).sum()
 
 
-def _engine(model, optimizer: bool = True):
+def _engine(model, optimizer: bool = True, persistence: int | None = 0):
     import deepspeed
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer else None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=zero_config(3))
+    config = zero_config(3, persistence)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
 
 
@@ -136,9 +143,10 @@ def _bad_input(engine) -> str:
     return "no error"
 
 
-def _compare(kind, tied: bool, batch, world: int, mutate: bool = False):
+def _compare(kind, tied: bool, batch, world: int, mutate: bool = False, persistence=0):
     """One kind on fresh engines of one model: the float64 truth and stock's and logitless'
-    loss and full gradients; with ``mutate``, the message logitless' backward fails with."""
+    loss and full gradients; with ``mutate``, the message logitless' backward fails with.
+    ``persistence``: ``stage3_param_persistence_threshold`` (None: DeepSpeed's default)."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
@@ -154,12 +162,13 @@ def _compare(kind, tied: bool, batch, world: int, mutate: bool = False):
             g = p.grad.clone()
             dist.all_reduce(g)
             truth_grads[n] = g / world
-    teacher = _engine(copy.deepcopy(t_base), optimizer=False)
+    teacher = _engine(copy.deepcopy(t_base), optimizer=False, persistence=persistence)
     runs = {}
     for name, fn in (("stock", _stock), ("ours", _ours))[int(mutate) :]:
-        engine = _engine(copy.deepcopy(base))
+        engine = _engine(copy.deepcopy(base), persistence=persistence)
         head = engine.module.lm_head.weight
-        assert_partitioned(head)
+        assert_partitioned(head)  # persistent or not, until its first gather
+        assert head.ds_persist == (persistence is None)
         loss = fn(kind, engine, teacher, batch)
         if mutate:
             try:
@@ -169,8 +178,9 @@ def _compare(kind, tied: bool, batch, world: int, mutate: bool = False):
             return "backward ran"
         engine.backward(loss)
         grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
-        assert_partitioned(head)  # no full-size copy kept after the step
-        assert_partitioned(teacher.module.lm_head.weight)
+        if persistence == 0:  # no full-size copy kept after the step
+            assert_partitioned(head)
+            assert_partitioned(teacher.module.lm_head.weight)
         assert not lds._Hold.open_holds
         if name == "ours":  # the head weight was never read through DeepSpeed's getter
             assert not list(engine.module.ds_external_parameters())
@@ -189,8 +199,10 @@ def _worker(rank: int, world: int, kinds):
     deepspeed.init_distributed(dist_backend="gloo")
     batch = _batch(rank)
     out = {"bad input": _bad_input(_engine(_model(False)))}
-    for tied in (False, True):
-        out["tied" if tied else "untied"] = {k: _compare(k, tied, batch, world) for k in kinds}
+    for persistence in (0, None):
+        for tied in (False, True):
+            run = {k: _compare(k, tied, batch, world, persistence=persistence) for k in kinds}
+            out[_case(tied, persistence)] = run
     real, lds.run_gathered = lds.run_gathered, _close_early
     try:
         out["mutated"] = {k: _compare(k, False, batch, world, mutate=True) for k in kinds}
@@ -199,16 +211,21 @@ def _worker(rank: int, world: int, kinds):
     return out
 
 
+def _case(tied: bool, persistence: int | None) -> str:
+    return ("tied" if tied else "untied") + ("" if persistence == 0 else "-persistent")
+
+
 @pytest.fixture(scope="module")
 def ranks():
     return spawn(_worker, WORLD, KINDS, threads=1, timeout_s=600.0)
 
 
+@pytest.mark.parametrize("persistence", [0, None], ids=["partitioned", "persistent"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_hf_functions_on_zero3_match_stock_deepspeed(ranks, kind, tied):
+def test_hf_functions_on_zero3_match_stock_deepspeed(ranks, kind, tied, persistence):
     for r in ranks:
-        truth, truth_grads, runs = r["tied" if tied else "untied"][kind]
+        truth, truth_grads, runs = r[_case(tied, persistence)][kind]
         (stock_loss, stock_grads), (loss, grads) = runs["stock"], runs["ours"]
         # a scalar sum: where stock happens to round exactly, a few ulps of the sum's scale
         assert_no_worse_than_reference(loss, stock_loss, truth, f"{kind} loss", floor=4 * FLOOR)

@@ -14,6 +14,7 @@ import csv
 import importlib.util
 import io
 import math
+import sys
 
 import pytest
 import torch
@@ -199,6 +200,30 @@ def test_warmup_and_steps_show_progress():
     assert quiet.getvalue() == ""
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_without_tqdm_is_the_shared_status_line(monkeypatch):
+    """Without tqdm the bars are ``apps.output.StatusLine``s (the bench's status line): in a
+    log one line per step, on a terminal one line redrawn in place and kept when it ends."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    log = io.StringIO()
+    run_demo(DemoConfig(steps=2, **{**TINY, "warmup": 2}), progress=True, stream=log)
+    lines = log.getvalue().splitlines()
+    assert [ln.split(" cross-entropy=")[0] for ln in lines[:2]] == [
+        "warm-up logitless seed 0 1/2",
+        "warm-up logitless seed 0 2/2",
+    ]
+    assert lines[2].startswith("GRPO logitless seed 0 1/2 reward=") and len(lines) == 4
+    tty = _Terminal()
+    run_demo(DemoConfig(steps=2, **{**TINY, "warmup": 0}), progress=True, stream=tty)
+    text = tty.getvalue()
+    assert text.count("\r\x1b[KGRPO logitless seed 0 ") == 2 and text.count("\n") == 1
+    assert text.endswith("\n") and "2/2 reward=" in text.splitlines()[-1]
+
+
 # ---------------------------------------------------------------------------------------------
 # one update in float64; several seeds
 
@@ -219,13 +244,15 @@ def test_check_step_agrees_in_float64():
 
 def test_check_step_catches_a_wrong_path(monkeypatch):
     """The check is not vacuous: a naive loss off by 1e-4 shows up in float64."""
+    from logitless.apps.demo import check as check_module
+
     real = demo.step_loss
 
     def off(model, batch, config, *, naive):
         loss, metrics = real(model, batch, config, naive=naive)
         return (loss * (1 + 1e-4) if naive else loss), metrics
 
-    monkeypatch.setattr(demo, "step_loss", off)
+    monkeypatch.setattr(check_module, "step_loss", off)
     check = check_step(DemoConfig(**TINY))
     assert check.loss64_diff > 1e-7 and check.grad64_diff > 1e-9 * check.grad_scale
 

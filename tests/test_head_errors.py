@@ -262,3 +262,38 @@ def test_chunk_size_invalid(head, chunk_size):
 def test_with_entropy_not_bool(head, with_entropy):
     with pytest.raises(ValueError, match=r"with_entropy must be a bool"):
         _call(head, with_entropy=with_entropy)
+
+
+def _zero3_partition(shape) -> torch.nn.Parameter:
+    """What a DeepSpeed ZeRO-3 parameter is outside a gather: an empty ``.data``, its whole
+    shape in ``ds_shape`` and its status (read by attribute: no DeepSpeed needed)."""
+    from types import SimpleNamespace
+
+    p = torch.nn.Parameter(torch.empty(0))
+    p.ds_id, p.ds_shape, p.ds_status = 0, torch.Size(shape), SimpleNamespace(name="NOT_AVAILABLE")
+    return p
+
+
+def test_zero3_partition_is_refused_naming_the_fix(head):
+    with pytest.raises(
+        ValueError,
+        match=r"weight is a DeepSpeed ZeRO-3 parameter that is not "
+        r"gathered \(shape \[0\] here, \[11, 8\] whole\).*GatheredParameters",
+    ):
+        _call(head, weight=_zero3_partition((V, H)))
+
+
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_zero3_partition_put_in_a_checked_call_is_refused_naming_the_fix(name):
+    """A call checked on stand-ins (the HF path, before the backbone), the real parameters put
+    in with the hidden states: a weight or bias still partitioned is the same ValueError, not
+    an IndexError from its [0] shape."""
+    from logitless.contract.head import check_head_call, with_hidden
+    from logitless.contract.options import HeadOptions
+
+    args, options = _good(bias=torch.randn(V)), HeadOptions()
+    call = check_head_call(args["hidden"], args["weight"], args["labels"], args["bias"], options)
+    shape = (V, H) if name == "weight" else (V,)
+    call = call.replace(**{name: _zero3_partition(shape)})
+    with pytest.raises(ValueError, match=f"{name} is a DeepSpeed ZeRO-3 parameter that is not"):
+        with_hidden(call, args["hidden"], options)

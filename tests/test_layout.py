@@ -7,7 +7,7 @@ Read from the sources' syntax trees (every ``import`` / ``from ... import`` stat
 level or inside a function), so it runs without any optional package. An import names a module
 of the package (``from .x import y`` where ``y`` is a module of ``x``: that module; else ``x``);
 the parent packages Python imports on the way are not counted, nor ``importlib`` calls on
-strings (the one there, ``backends.aot``, imports the kernel families of its own layer).
+strings (the one there, ``apps.aot``, imports the kernel families, a layer below it).
 
 The layers, bottom first; a module may import its own layer and the layers below it:
 
@@ -16,12 +16,12 @@ The layers, bottom first; a module may import its own layer and the layers below
    the collectives protocol, backend resolution;
 2. ``packing``, ``parallel/``, ``advantages``: token layout and parallel groups;
 3. ``losses/``, ``accumulation``: per-token loss terms (they never import the ops);
-4. ``backends/``: the kernels (torch tiles; every Triton kernel family, its tables and launch
-   rules; the compile check);
+4. ``backends/``: the kernels (the torch tiles; every Triton kernel family, the tile code they
+   share, their tables and launcher);
 5. ``ops/``: the ops on the checked call (the fused loss is where a head and a loss meet);
 6. the public surface: ``logitless/__init__``, ``reference``, ``modules``;
 7. ``integrations/`` (their own rules: tests/test_integration_layout.py);
-8. ``apps/`` and ``__main__``.
+8. ``apps/`` (the CLI, bench, demo, the ahead-of-time compile check) and ``__main__``.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_the_layout_is_read():
     and ``from . import x`` included."""
     assert {"logitless.contract.head", "logitless.backends.triton_launch"} <= set(EDGES)
     assert "logitless.contract.collectives" in EDGES["logitless.contract.vocab"]
-    assert "logitless.backends.triton_divergence" in EDGES["logitless.ops.divergence.function"]
+    assert "logitless.backends.triton_divergence" in EDGES["logitless.backends"]  # in a def
     assert "logitless.ops.logprobs.compiled" in EDGES["logitless.ops.logprobs.op"]  # in a def
     assert "logitless.contract.fingerprint" in EDGES["logitless.contract._traced"]
 
@@ -191,20 +191,21 @@ def test_no_function_over_the_limit():
         # the cycle issue 39 found: contract/_traced.py <-> contract/collectives.py (which
         # imports _traced inside signature())
         ("_traced", "from logitless.contract.collectives import fingerprint\n", "cycle"),
-        # the upward import it found: backends/aot.py reaching into ops/divergence
-        ("aot", "def f():\n    from ..ops.divergence import tiles\n", "upward"),
+        # the upward import it found: a kernel module (then backends/aot.py) reaching into
+        # ops/divergence
+        ("launch", "def f():\n    from ..ops.divergence import function\n", "upward"),
     ],
 )
 def test_the_checks_reject_the_old_layout(tmp_path, module, source, expected):
     """Each check fails on the shapes it forbids: the code as it was before issue 39, written
     into a copy of the package's layout."""
     copy = tmp_path / "logitless"
-    for name in ("contract/_traced.py", "contract/collectives.py", "backends/aot.py"):
+    for name in ("contract/_traced.py", "contract/collectives.py", "backends/triton_launch.py"):
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         (copy / name).write_text((PACKAGE / name).read_text())
     (copy / "ops" / "divergence").mkdir(parents=True)
-    (copy / "ops" / "divergence" / "tiles.py").write_text("")
-    target = {"_traced": "contract/_traced.py", "aot": "backends/aot.py"}[module]
+    (copy / "ops" / "divergence" / "function.py").write_text("")
+    target = {"_traced": "contract/_traced.py", "launch": "backends/triton_launch.py"}[module]
     (copy / target).write_text((copy / target).read_text() + "\n" + source)
     edges = graph(copy)
     cycle = _cycle({m: set(t) for m, t in edges.items()})
@@ -217,8 +218,9 @@ def test_the_checks_reject_the_old_layout(tmp_path, module, source, expected):
     else:
         assert cycle is None
         assert upward(edges) == [
-            f"logitless.backends.aot:{len((PACKAGE / target).read_text().splitlines()) + 3} "
-            "imports logitless.ops.divergence.tiles (layer 4 -> 5)"
+            f"logitless.backends.triton_launch:"
+            f"{len((PACKAGE / target).read_text().splitlines()) + 3} "
+            "imports logitless.ops.divergence.function (layer 4 -> 5)"
         ]
 
 

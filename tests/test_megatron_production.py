@@ -74,8 +74,9 @@ def _own_name(name: str) -> str:
 
 def _head_name(model) -> str:
     from logitless.integrations import megatron
+    from logitless.integrations.megatron.model import head_weight
 
-    w = megatron._head_weight(megatron.megatron_head(model))
+    w = head_weight(megatron.megatron_head(model))
     return next(n for n, p in model.named_parameters() if p is w)
 
 
@@ -349,12 +350,12 @@ def _megatron_step(micro_batches, normalizer, per_token: bool = False):
     loss for the schedule; on a stage without the head, the model's output."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from logitless.integrations import megatron
+    from logitless.integrations.megatron.model import gpt_model
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         out = model(mb["tokens"], mb["position_ids"], None)
-        if not megatron._gpt_model(model).post_process:
+        if not gpt_model(model).post_process:
             return out, None
         logits = out.transpose(0, 1).contiguous()
         logp = -vocab_parallel_cross_entropy(logits, mb["labels"].T.contiguous()).T

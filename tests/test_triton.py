@@ -129,6 +129,19 @@ def test_unknown_backend_raises(bad):
         logitless.linear_logprobs(h, w, torch.tensor([0, 1, 2]), backend=bad)
 
 
+@pytest.mark.parametrize("value", ["1", "true", "On", "YES", "y", "0", "false", "off", "", "2"])
+def test_the_interpreter_switch_is_read_as_triton_reads_it(monkeypatch, value):
+    """``contract.backend.interpreting`` (the one reader of TRITON_INTERPRET in logitless) says
+    what Triton says: a value Triton takes for "on" (it then builds interpreted kernels) is on
+    here too, anything else is off. Before, only "1" was."""
+    import triton
+
+    from logitless.contract.backend import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() == triton.knobs.runtime.interpret
+
+
 def test_triton_on_cpu_without_the_interpreter_names_the_fix():
     """backend='triton' on CPU tensors with the interpreter off: a ValueError naming
     TRITON_INTERPRET, before any work (run in a fresh process without the variable)."""

@@ -1,6 +1,6 @@
 """Every Triton kernel compiled ahead of time for sm_80, sm_90 and sm_100, no GPU needed.
 
-:mod:`logitless.backends.aot` records the launches the launchers make (on meta tensors), takes
+:mod:`logitless.apps.aot` records the launches the launchers make (on meta tensors), takes
 the configurations their rule can select for each target, compiles each with Triton's
 ``ptxas`` and reads registers, spills, shared memory and the tensor-core instructions. It runs
 in a process of its own, without ``TRITON_INTERPRET`` (the kernels are built at import), and
@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from logitless.backends import aot  # noqa: E402
+from logitless.apps import aot  # noqa: E402
 
 # Compiles for minutes when cold: out of the first check (``-m "not slow"``).
 pytestmark = pytest.mark.slow
@@ -38,11 +38,30 @@ def compiled(tmp_path_factory):
     os.makedirs(cache, exist_ok=True)
     out = tmp_path_factory.mktemp("aot") / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "logitless.backends.aot", "--cache", str(cache)]
+    cmd = [sys.executable, "-m", "logitless.apps.aot", "--cache", str(cache)]
     cmd += ["--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def test_the_cache_key_holds_the_tile_code_a_kernel_calls():
+    """A kernel's cached result is keyed on its source and on every tile function it calls,
+    directly or not (``logits_tile``, the programs' prologues and ``grouped`` under them): an
+    edit there compiles again. A call through a module (``tiles.logits_tile(...)``, as the
+    families called the tile code before) was left out of the key, so an edited tile function
+    kept its stale results."""
+    kernels = ["stats", "dz", "div_stats", "jsd", "div_dz"]
+    code = (
+        "from logitless.apps import aot\n"
+        f"for k in {kernels}:\n"
+        "    src = aot._kernel_source(k)\n"
+        "    print(all(f'def {f}(' in src for f in ('logits_tile', 'grouped')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["True"] * len(kernels), proc.stdout
 
 
 def _select(data, **match):

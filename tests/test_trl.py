@@ -566,7 +566,7 @@ def test_no_full_logits_on_the_adapter_path(model_dir, tmp_path, monkeypatch):
 def _config_text(config) -> str:
     from dataclasses import asdict, fields
 
-    from logitless.integrations.trl import _NO_BOUND
+    from logitless.integrations.trl.grpo import _NO_BOUND
 
     defaults = {f.name: f.default for f in fields(config)}
 
@@ -626,10 +626,12 @@ if __name__ == "__main__":
 def test_module_doctests():
     import doctest
 
-    import logitless.integrations.trl as module
+    from logitless.integrations.trl import common, distillation, grpo
 
-    result = doctest.testmod(module, raise_on_error=False)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (grpo, distillation, common):
+        result = doctest.testmod(module, raise_on_error=False)
+        assert result.failed == 0, module.__name__
+    assert doctest.testmod(grpo).attempted > 0 and doctest.testmod(common).attempted > 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -211,7 +211,7 @@ def test_a_bad_temperature_raises_before_the_backbone(temperature):
     model = tiny_model(layers=1)
     mod = patched(model, "logitless")
     calls: list[int] = []
-    handle = model.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    handle = mod.model.register_forward_pre_hook(lambda *_: calls.append(1))
     ids = torch.tensor([[1, 2, 3, 4]])
     for temp in (temperature, torch.full((1, 4), temperature)):
         with pytest.raises(ValueError, match="temperature"):

@@ -17,6 +17,8 @@ from pathlib import Path
 from .version import package_version
 
 DEFAULT_CSV = Path("bench-results/bench.csv")
+# What a ``logitless bench`` without ``--full`` (or ``--methods``) runs, in words.
+FIRST_LOOK = "logitless against naive and the bare-matmul floors, the peers left out"
 
 
 def _number(kind: type, accepts, bound: str):
@@ -73,7 +75,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
             f"Measure forward+backward of a task ({tasks}) for each method, each in a fresh "
             "subprocess: median time and peak extra memory, as ratios vs naive and vs a "
             "pure-matmul floor timed in the same run. Default shape: a Qwen2.5-0.5B-like "
-            "head (H=896, V=151936), fp32. A run on a busy machine is flagged."
+            "head (H=896, V=151936), fp32. Without --full a first look; a run on a busy "
+            "machine is flagged."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -83,8 +86,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="METHOD",
         default=argparse.SUPPRESS,
-        help="methods to run (space or comma separated); default: all of the task's "
-        f"({methods}), but torch_lce on a CPU",
+        help="methods to run (space or comma separated); default: the task's methods but the "
+        f"peers, with --full all of them but torch_lce on a CPU ({methods})",
     )
     p.add_argument(
         "--tokens", type=_positive_int, nargs="+", default=[1024], help="N; several = sweep"
@@ -109,12 +112,29 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default=argparse.SUPPRESS,
         help="cut each method's repeats into up to R rounds; a round runs every method once, "
         "each in a fresh worker (warm-up, its share of the repeats, exit), in alternating "
-        "order, so load on the machine hits all methods alike (default: 3 on CPU, 1 on CUDA)",
+        "order, so load on the machine hits all methods alike (default: 1; 3 on CPU with "
+        "--full)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the full table: every method of the task, the installed peers (Liger-Kernel, Cut "
+        "Cross-Entropy, TRL, ...) too, and on CPU the repeats in 3 rounds. Without it the run "
+        f"is a first look: {FIRST_LOOK}, in one round",
     )
     p.add_argument(
         "--threads", type=_positive_int, default=_default_threads(), help="torch CPU threads"
     )
     p.add_argument("--seed", type=int, default=0, help="input RNG seed")
+    p.add_argument(
+        "--timeout", type=_positive_float, metavar="S", help="per-method subprocess time limit"
+    )
+    _add_bench_outputs(p)
+    p.set_defaults(handler=_run_bench_command, command_parser=p)
+
+
+def _add_bench_outputs(p: argparse.ArgumentParser) -> None:
+    """``logitless bench``'s flags for what it writes: the CSV, the plot, the progress."""
     p.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="CSV to append rows to")
     p.add_argument("--no-csv", action="store_true", help="do not write the CSV")
     p.add_argument(
@@ -124,23 +144,25 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="write a plot of time and memory here: bars for one --tokens, lines for several",
     )
     p.add_argument(
-        "--timeout", type=_positive_float, metavar="S", help="per-method subprocess time limit"
-    )
-    p.add_argument(
         "--quiet",
         action="store_true",
         help="progress: only one line per finished method (no repeats, elapsed or time left)",
     )
-    p.set_defaults(handler=_run_bench_command, command_parser=p)
 
 
 def _selected_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """Validate ``--methods`` against the task's registry (argparse error if unknown)."""
+    """Validate ``--methods`` against the task's registry (argparse error if unknown); without
+    it the task's default methods (with ``--full``, the peers among them too)."""
     from .bench.methods import TASKS
 
     known = list(TASKS[args.task])
     if not getattr(args, "methods", None):
-        return [m for m in known if TASKS[args.task][m].by_default(args.device)]
+        full = getattr(args, "full", False)
+        return [
+            name
+            for name, method in TASKS[args.task].items()
+            if method.by_default(args.device) and (full or method.role != "peer")
+        ]
     names = [n for item in args.methods for n in item.split(",") if n]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
@@ -152,7 +174,11 @@ def _selected_methods(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Handler of ``logitless bench``: run, print the table, append the CSV, plot."""
+    """Handler of ``logitless bench``: run, print the table, append the CSV, plot.
+
+    stdout gets the run's first lines at once (what runs; progress goes to stderr), then the
+    table; stderr the progress and where the CSV and the plot went.
+    """
     from .bench.harness import (
         append_csv,
         format_table,
@@ -179,14 +205,8 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         seed=args.seed,
     )
     timestamp = now_timestamp()
-    rounds = getattr(args, "rounds", 1 if args.device.startswith("cuda") else 3)
-    print(
-        f"logitless bench: task={args.task} H={args.hidden} V={args.vocab} {args.dtype} "
-        f"{args.device} threads={args.threads} repeats={args.repeats} rounds={rounds} "
-        f"tokens={','.join(map(str, args.tokens))} valid_frac={args.valid_frac:g}",
-        file=sys.stderr,
-        flush=True,
-    )
+    rounds = getattr(args, "rounds", 3 if args.full and args.device == "cpu" else 1)
+    _announce_bench(args, methods, rounds)
     load = LoadMonitor()
     rows = run_bench(
         methods,
@@ -202,6 +222,12 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         from .bench.invariance import ratio_report
 
         print(ratio_report(base))
+    if not args.full and not getattr(args, "methods", None):
+        print(
+            f"a first look: {FIRST_LOOK}, {rounds} round{'s' if rounds > 1 else ''}. The full "
+            "table: logitless bench --full (every method, the installed peers too; on CPU 3 "
+            "rounds, so load on the machine hits every method alike)"
+        )
     if busy:
         for r in rows:  # the CSV's note column keeps it
             r.reason = "; ".join(n for n in (r.reason, busy) if n)
@@ -211,9 +237,22 @@ def _run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.plot is not None:
         from .bench.plot import plot_rows
 
-        plot_rows(rows, args.plot, machine_string())
+        plot_rows(rows, args.plot, machine_string(), warning=busy)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+def _announce_bench(args: argparse.Namespace, methods: Sequence[str], rounds: int) -> None:
+    """The run's first lines, on stdout and flushed, so that a stdout redirected to a file says
+    at once what runs and that its progress goes to stderr until the table comes."""
+    print(
+        f"logitless bench: task={args.task} H={args.hidden} V={args.vocab} {args.dtype} "
+        f"{args.device} threads={args.threads} repeats={args.repeats} rounds={rounds} "
+        f"tokens={','.join(map(str, args.tokens))} valid_frac={args.valid_frac:g}\n"
+        f"methods: {', '.join(methods)}; progress goes to stderr, the table comes here when "
+        "they are done",
+        flush=True,
+    )
 
 
 def _check_bench_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -232,12 +271,12 @@ def _check_bench_outputs(parser: argparse.ArgumentParser, args: argparse.Namespa
         except ValueError as exc:
             parser.error(str(exc))
     if args.plot is not None:
+        from .output import PlotUnavailable, pyplot
+
         try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(
-                "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
-            )
+            pyplot()
+        except PlotUnavailable as exc:
+            parser.error(str(exc))
 
 
 DEFAULT_DEMO_PLOT = "demo-results/grpo_demo_{mode}.png"
@@ -410,6 +449,7 @@ def _report_demo(args: argparse.Namespace, results: list) -> None:
     import statistics
 
     from .demo import check_step, plot_demo, seeds_summary, write_csv
+    from .output import PLOT_HINT
 
     c = results[0].config
     print(results[0].memory_note)
@@ -436,10 +476,7 @@ def _report_demo(args: argparse.Namespace, results: list) -> None:
         if plot_demo(results, path):
             print(f"wrote {path}")
         else:
-            print(
-                "no plot: matplotlib is not installed (pip install -e '.[bench]' in a logitless "
-                "checkout)"
-            )
+            print(f"no plot: matplotlib is not installed ({PLOT_HINT})")
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (

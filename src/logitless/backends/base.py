@@ -3,8 +3,10 @@
 A backend computes, for the valid rows it is given (:class:`RowBatch`), the per-row statistics
 of ``z = transform(h·Wᵀ + b)`` (running max, ``Σ exp``, ``Σ exp·z``, the label logit ->
 log-prob, log-sum-exp, entropy) in forward and the head gradients in backward, without writing
-``[rows, V]`` logits to memory on an accelerator. :class:`KernelBackend` is that interface;
-``logitless.contract.backend.BACKENDS`` lists the implementations.
+``[rows, V]`` logits to memory on an accelerator. Each op a backend runs has its interface here:
+:class:`KernelBackend` (the log-prob op, which replay and the fused loss run on too) and
+:class:`DivergenceBackend` (the divergence to a teacher head);
+``logitless.contract.backend.BACKENDS`` names each backend's module for each op.
 """
 
 from __future__ import annotations
@@ -343,7 +345,8 @@ def padded_backward(backward: Callable, rows, stats, up, opts, needs: Needs, pad
 
 
 class KernelBackend(Protocol):
-    """The three entry points every backend module defines (same contract, same tests)."""
+    """The log-prob op's three entry points, which every backend's module for it defines (same
+    contract, same tests)."""
 
     def forward_rows(
         self, rows: RowBatch, opts: KernelOptions, keep_tile: bool = False
@@ -420,8 +423,8 @@ def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The divergence's rows (its torch tiles, ``ops/divergence/tiles.py``, and its Triton kernels,
-# ``triton_divergence.py``, both implement them)
+# The divergence's rows (its torch tiles, ``torch_divergence.py``, and its Triton kernels,
+# ``triton_divergence.py``, both implement :class:`DivergenceBackend` on them)
 # --------------------------------------------------------------------------------------------
 
 
@@ -486,3 +489,14 @@ class DivUpstream(NamedTuple):
     divergence: torch.Tensor | None
     logp: torch.Tensor | None
     entropy: torch.Tensor | None
+
+
+class DivergenceBackend(Protocol):
+    """The divergence op's two entry points, which every backend's module for it defines (same
+    contract, same tests: tests/test_divergence*.py)."""
+
+    def forward_rows(self, rows: DivRows, opts: DivOptions) -> DivStats: ...
+
+    def backward_rows(
+        self, rows: DivRows, stats: DivStats, up: DivUpstream, opts: DivOptions, needs: Needs
+    ) -> HeadGrads: ...

@@ -1,11 +1,11 @@
 """The divergence op in Triton: both heads' GEMM tiles in one program, logits in registers.
 
-The algorithm is the torch tiles' (:mod:`logitless.ops.divergence.tiles`, whose docstring
+The algorithm is the torch tiles' (:mod:`logitless.backends.torch_divergence`, whose docstring
 states the math); here each program owns a ``[BLOCK_M, BLOCK_N]`` block of rows × vocabulary
 and computes *both* heads' tiles of it, the student's ``z_s = transform_s(h·Wᵀ)`` and the
 teacher's ``z_t = transform_t(h_t·W_tᵀ)`` (each with its own bias, logit scale, softcap, hidden
 width and head dtype; one temperature), with
-:func:`~logitless.backends.triton_launch.logits_tile`, the Triton twin of the logit transform.
+:func:`~logitless.backends.triton_tiles.logits_tile`, the Triton twin of the logit transform.
 No logit of either head is written to memory.
 
 Forward. ``_div_stats_kernel`` folds each program's run of vocabulary blocks (a *split*) into
@@ -35,9 +35,18 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_launch as tiles
 from .base import DivOptions, DivRows, DivStats, DivUpstream, HeadGrads, Needs, padded_backward
 from .triton_launch import KernelHead, head_grads, launch, register, row_passes, vocab_splits
+from .triton_tiles import (
+    chunk_program,
+    logits_tile,
+    online_step,
+    row_factor,
+    row_inv_temperature,
+    split_program,
+    store_dz,
+    store_row_stats,
+)
 
 _MODES = {"forward": 0, "reverse": 1, "jsd": 2}
 
@@ -83,11 +92,11 @@ def _div_stats_kernel(
     each head): ``Σ exp(d_t)·(d_t - d_s)`` at MODE 0, ``Σ exp(d_s)·(d_s - d_t)`` at MODE 1,
     0 for the JSD. An empty split writes max = -inf and zero sums.
     """
-    pid_s, offs_m, row_ok, rows, first, last = tiles.split_program(
+    pid_s, offs_m, row_ok, rows, first, last = split_program(
         M, V, num_splits, BLOCK_M, BLOCK_N, GROUP_M
     )
     y = tl.load(y_ptr + rows)
-    inv_t = tiles.row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
     m_s = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_s = tl.zeros((BLOCK_M,), tl.float32)
@@ -98,12 +107,12 @@ def _div_stats_kernel(
     for nb in range(first, last):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        z_s, _ = tiles.logits_tile(
+        z_s, _ = logits_tile(
             hs_ptr, ws_ptr, bs_ptr, rows, offs_n % V, inv_t, Ks, stride_hs, stride_ws,
             scale_s, softcap_s, S_HAS_BIAS, S_HAS_SCALE, S_HAS_SOFTCAP, TEMP_MODE,
             S_HEAD_DTYPE, S_DOT_DTYPE, S_IEEE, S_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        z_t, _ = tiles.logits_tile(
+        z_t, _ = logits_tile(
             ht_ptr, wt_ptr, bt_ptr, rows, offs_n % V, inv_t, Kt, stride_ht, stride_wt,
             scale_t, softcap_t, T_HAS_BIAS, T_HAS_SCALE, T_HAS_SOFTCAP, TEMP_MODE,
             T_HEAD_DTYPE, T_DOT_DTYPE, T_IEEE, T_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -114,8 +123,8 @@ def _div_stats_kernel(
         is_label = (offs_n[None, :] == y[:, None]) & col_ok[None, :]
         zy += tl.sum(tl.where(is_label, z_s, 0.0), axis=1)
         # each head's new max, m_old - m_new, d = z - m_new, exp(d), exp(m_old - m_new)
-        ms_new, shift_s, d_s, e_s, alpha_s = tiles.online_step(m_s, z_s)
-        mt_new, shift_t, d_t, e_t, alpha_t = tiles.online_step(m_t, z_t)
+        ms_new, shift_s, d_s, e_s, alpha_s = online_step(m_s, z_s)
+        mt_new, shift_t, d_t, e_t, alpha_t = online_step(m_t, z_t)
         if WITH_ENTROPY:
             q_s = alpha_s * (q_s + shift_s * s_s) + tl.sum(tl.where(e_s > 0.0, e_s * d_s, 0.0), 1)
         # the cross sum Σ e·(d_own - d_other): its old terms move by shift_own - shift_other
@@ -129,9 +138,7 @@ def _div_stats_kernel(
         m_s = ms_new
         s_t = alpha_t * s_t + tl.sum(e_t, axis=1)
         m_t = mt_new
-    out, plane = tiles.store_row_stats(
-        stats_ptr, pid_s, M, offs_m, num_splits, row_ok, m_s, s_s, q_s, zy
-    )
+    out, plane = store_row_stats(stats_ptr, pid_s, M, offs_m, num_splits, row_ok, m_s, s_s, q_s, zy)
     tl.store(out + 4 * plane, m_t, mask=row_ok)
     tl.store(out + 5 * plane, s_t, mask=row_ok)
     tl.store(out + 6 * plane, cross, mask=row_ok)
@@ -155,10 +162,10 @@ def _jsd_kernel(
     """The JSD's second pass: ``Σ p_s·(lp_s - log m)`` and ``Σ p_t·(lp_t - log m)`` of one row
     block over one split -> out ``[2, num_splits, M]``; norm ``[4, M]``: each head's max and
     log Σ exp(z - max) (student, student, teacher, teacher)."""
-    pid_s, offs_m, row_ok, rows, first, last = tiles.split_program(
+    pid_s, offs_m, row_ok, rows, first, last = split_program(
         M, V, num_splits, BLOCK_M, BLOCK_N, GROUP_M
     )
-    inv_t = tiles.row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
     m_s = tl.load(norm_ptr + rows)
     ls_s = tl.load(norm_ptr + M + rows)
     m_t = tl.load(norm_ptr + 2 * M + rows)
@@ -168,12 +175,12 @@ def _jsd_kernel(
     for nb in range(first, last):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        z_s, _ = tiles.logits_tile(
+        z_s, _ = logits_tile(
             hs_ptr, ws_ptr, bs_ptr, rows, offs_n % V, inv_t, Ks, stride_hs, stride_ws,
             scale_s, softcap_s, S_HAS_BIAS, S_HAS_SCALE, S_HAS_SOFTCAP, TEMP_MODE,
             S_HEAD_DTYPE, S_DOT_DTYPE, S_IEEE, S_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        z_t, _ = tiles.logits_tile(
+        z_t, _ = logits_tile(
             ht_ptr, wt_ptr, bt_ptr, rows, offs_n % V, inv_t, Kt, stride_ht, stride_wt,
             scale_t, softcap_t, T_HAS_BIAS, T_HAS_SCALE, T_HAS_SOFTCAP, TEMP_MODE,
             T_HEAD_DTYPE, T_DOT_DTYPE, T_IEEE, T_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -211,22 +218,22 @@ def _div_dz_kernel(
     log-sum, aux (KL(p_s‖p_t) at MODE 1, KL(p_s‖m) at MODE 2), entropy, and the upstream
     gradients d (divergence), g (log-prob), e (entropy); each read only when its flag is on.
     """
-    offs_m, offs_c, row_ok, col_ok, rows = tiles.chunk_program(M, width, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_c, row_ok, col_ok, rows = chunk_program(M, width, BLOCK_M, BLOCK_N, GROUP_M)
     offs_n = v_start + offs_c  # offs_c: the column inside the chunk
-    inv_t = tiles.row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
-    z_s, th = tiles.logits_tile(
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    z_s, th = logits_tile(
         hs_ptr, ws_ptr, bs_ptr, rows, offs_n % V, inv_t, Ks, stride_hs, stride_ws,
         scale_s, softcap_s, S_HAS_BIAS, S_HAS_SCALE, S_HAS_SOFTCAP, TEMP_MODE,
         S_HEAD_DTYPE, S_DOT_DTYPE, S_IEEE, S_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     lp_s = (z_s - tl.load(row_ptr + rows)[:, None]) - tl.load(row_ptr + M + rows)[:, None]
     p_s = tl.exp(lp_s)
-    factor = tiles.row_factor(inv_t, scale_s, S_HAS_SCALE)  # dz/dx's per-row part: s / T
+    factor = row_factor(inv_t, scale_s, S_HAS_SCALE)  # dz/dx's per-row part: s / T
     x = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # d·u, where dD/dz_s = p_s ⊙ u (- p_t)
     gh = tl.zeros((BLOCK_M,), tl.float32)  # g + e·H
     if HAS_D:
         d_f = tl.load(row_ptr + 6 * M + rows) * factor
-        z_t, _ = tiles.logits_tile(
+        z_t, _ = logits_tile(
             ht_ptr, wt_ptr, bt_ptr, rows, offs_n % V, inv_t, Kt, stride_ht, stride_wt,
             scale_t, softcap_t, T_HAS_BIAS, T_HAS_SCALE, T_HAS_SOFTCAP, TEMP_MODE,
             T_HEAD_DTYPE, T_DOT_DTYPE, T_IEEE, T_EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -257,7 +264,7 @@ def _div_dz_kernel(
         x = tl.where(offs_n[None, :] == y[:, None], x + g_f[:, None], x)
     if S_HAS_SOFTCAP:
         x = x * (1.0 - th * th)
-    tiles.store_dz(dz_ptr, x, offs_m, offs_c, row_ok, col_ok, width)
+    store_dz(dz_ptr, x, offs_m, offs_c, row_ok, col_ok, width)
 
 
 # --------------------------------------------------------------------------------------------

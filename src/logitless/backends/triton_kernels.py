@@ -27,8 +27,9 @@ passes; ``dW`` then accumulates in fp32, as the torch tiles do.
 The gradient-in-forward path of the fused loss (:func:`fused_rows`) is the same two kernels:
 the statistics, then the loss gradient of every row at once, then the backward pass.
 
-The tile code both kernels share with the divergence's, the configuration tables, the launcher
-and the head gradients live in :mod:`.triton_launch` (with what the interpreter changes).
+The tile code both kernels share with the divergence's is :mod:`.triton_tiles`; the
+configuration tables, the launcher and the head gradients are :mod:`.triton_launch` (with what
+the interpreter changes).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_launch as tiles
 from .base import (
     GradFn,
     HeadGrads,
@@ -50,6 +50,16 @@ from .base import (
     padded_backward,
 )
 from .triton_launch import KernelHead, head_grads, launch, register, row_passes, vocab_splits
+from .triton_tiles import (
+    chunk_program,
+    logits_tile,
+    online_step,
+    row_factor,
+    row_inv_temperature,
+    split_program,
+    store_dz,
+    store_row_stats,
+)
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -71,11 +81,11 @@ def _stats_kernel(
     stats: [4, num_splits, M] fp32. A split with no vocab block (possible when the blocks do not
     divide evenly) writes m = -inf, s = q = z_y = 0, which :func:`_merge_splits` ignores.
     """
-    pid_s, offs_m, row_ok, rows, first, last = tiles.split_program(
+    pid_s, offs_m, row_ok, rows, first, last = split_program(
         M, V, num_splits, BLOCK_M, BLOCK_N, GROUP_M
     )
     y = tl.load(y_ptr + rows)
-    inv_t = tiles.row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_i = tl.zeros((BLOCK_M,), tl.float32)
     q_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -83,7 +93,7 @@ def _stats_kernel(
     for nb in range(first, last):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        z, _ = tiles.logits_tile(
+        z, _ = logits_tile(
             h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, scale, softcap,
             HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
             BLOCK_M, BLOCK_N, BLOCK_K,
@@ -92,14 +102,14 @@ def _stats_kernel(
         # (a shard-local label of another rank's shard may equal a tail column: mask it)
         is_label = (offs_n[None, :] == y[:, None]) & col_ok[None, :]
         zy += tl.sum(tl.where(is_label, z, 0.0), axis=1)
-        m_new, shift, d, e, alpha = tiles.online_step(m_i, z)  # d = z - m_new <= 0
+        m_new, shift, d, e, alpha = online_step(m_i, z)  # d = z - m_new <= 0
         if WITH_ENTROPY:
             ed = tl.where(e > 0.0, e * d, 0.0)  # 0·(-inf) would be NaN for a -inf logit
             q_i = alpha * (q_i + shift * s_i) + tl.sum(ed, axis=1)
         s_i = alpha * s_i + tl.sum(e, axis=1)
         m_i = m_new
 
-    tiles.store_row_stats(stats_ptr, pid_s, M, offs_m, num_splits, row_ok, m_i, s_i, q_i, zy)
+    store_row_stats(stats_ptr, pid_s, M, offs_m, num_splits, row_ok, m_i, s_i, q_i, zy)
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -116,17 +126,17 @@ def _dz_kernel(
 
     dz: [M, width] contiguous, in the compute dtype; lse, ent, g, e: [M] fp32.
     """
-    offs_m, offs_c, row_ok, col_ok, rows = tiles.chunk_program(M, width, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_c, row_ok, col_ok, rows = chunk_program(M, width, BLOCK_M, BLOCK_N, GROUP_M)
     offs_n = v_start + offs_c  # offs_c: the column inside the chunk
-    inv_t = tiles.row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
-    z, th = tiles.logits_tile(
+    inv_t = row_inv_temperature(t_ptr, rows, inv_temp, TEMP_MODE)
+    z, th = logits_tile(
         h_ptr, w_ptr, b_ptr, rows, offs_n % V, inv_t, K, stride_h, stride_w, scale, softcap,
         HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, TEMP_MODE, HEAD_DTYPE, DOT_DTYPE, IEEE, EVEN_K,
         BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     logp = z - tl.load(lse_ptr + rows)[:, None]
     p = tl.exp(logp)
-    factor = tiles.row_factor(inv_t, scale, HAS_SCALE)  # dz/dx's per-row part: s / T
+    factor = row_factor(inv_t, scale, HAS_SCALE)  # dz/dx's per-row part: s / T
     if HAS_G:
         g_t = tl.load(g_ptr + rows) * factor  # g · s / T
     else:
@@ -141,7 +151,7 @@ def _dz_kernel(
     dz = tl.where(offs_n[None, :] == y[:, None], dz + g_t[:, None], dz)
     if HAS_SOFTCAP:
         dz = dz * (1.0 - th * th)
-    tiles.store_dz(dz_ptr, dz, offs_m, offs_c, row_ok, col_ok, width)
+    store_dz(dz_ptr, dz, offs_m, offs_c, row_ok, col_ok, width)
 
 
 register("stats", _stats_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])

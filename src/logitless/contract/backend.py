@@ -1,11 +1,16 @@
-"""Which kernels run a call: the backend registry and the rule that picks one.
+"""Which kernels run a call: the backend registry and the rule that picks one, for every op.
 
-A backend is a module implementing :class:`logitless.backends.base.KernelBackend` (row forward,
-row backward, fused rows). Adding one is that module, one line in :data:`BACKENDS` (its module
-path and when it can run) and its loader in :data:`logitless.backends.LOADERS` (a plain
+A backend is, for each op of :data:`OPS`, a module implementing that op's protocol in
+:mod:`logitless.backends.base`: ``"logprobs"``, :class:`~logitless.backends.base.KernelBackend`
+(row forward, row backward, fused rows: the log-prob op, replay and the fused loss run on it);
+``"divergence"``, :class:`~logitless.backends.base.DivergenceBackend` (the divergence to a
+teacher head). Adding a backend is those modules, one line in :data:`BACKENDS` (its modules and
+when it can run) and each module's loader in :data:`logitless.backends.LOADERS` (a plain
 ``import`` statement, which compiled code can trace; tests/test_capturable.py checks that every
 module named here has one). ``backend="auto"`` takes the first registered backend whose
-``auto`` rule accepts the call, the torch tiles otherwise.
+``auto`` rule accepts the call, the torch tiles otherwise. The ops load the resolved backend's
+module with :func:`logitless.backends.backend_for` (log-probs) and
+:func:`logitless.backends.divergence_backend_for`.
 """
 
 from __future__ import annotations
@@ -18,10 +23,20 @@ from dataclasses import dataclass
 
 import torch
 
+# The values of TRITON_INTERPRET that turn Triton's interpreter on (Triton's own reading of a
+# boolean variable, ``triton.knobs``: case-insensitive; anything else is off).
+_ON = ("1", "true", "on", "yes", "y")
+
 
 def interpreting() -> bool:
-    """Triton's interpreter is on (``TRITON_INTERPRET=1``): its kernels run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton's interpreter is on (``TRITON_INTERPRET=1``): its kernels run on CPU tensors.
+
+    The one place logitless reads the variable (the registry's rules, the Triton launcher, the
+    compile check). Triton reads it too, when it defines each ``@triton.jit`` function (on
+    import of the kernel modules): set it before the first call with ``backend="triton"``
+    imports them, as the tests' ``conftest.py`` does.
+    """
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _ON
 
 
 @functools.cache
@@ -29,17 +44,21 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+#: The ops a backend implements, each by a module of its own (:attr:`BackendSpec.modules`).
+OPS = ("logprobs", "divergence")
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One registry line.
 
-    module: where the implementation lives (imported on first use, by its loader in
-        :data:`logitless.backends.LOADERS`).
+    modules: op (:data:`OPS`) -> the module implementing it (imported on first use, by its
+        loader in :data:`logitless.backends.LOADERS`).
     refuse: ``(device, head_dtype) -> reason`` it cannot run a call (None: it can).
     auto: ``(device, head_dtype) -> bool``: ``backend="auto"`` picks it for such a call.
     """
 
-    module: str
+    modules: dict[str, str]
     refuse: Callable[[torch.device, torch.dtype], str | None]
     auto: Callable[[torch.device, torch.dtype], bool]
 
@@ -85,8 +104,22 @@ def _triton_auto(device: torch.device, dtype: torch.dtype) -> bool:
 
 #: The backends, in the order ``"auto"`` tries them (the torch tiles take what none takes).
 BACKENDS: dict[str, BackendSpec] = {
-    "triton": BackendSpec("logitless.backends.triton_kernels", _triton_refuses, _triton_auto),
-    "torch": BackendSpec("logitless.backends.torch_tiles", _torch_refuses, lambda d, t: True),
+    "triton": BackendSpec(
+        {
+            "logprobs": "logitless.backends.triton_kernels",
+            "divergence": "logitless.backends.triton_divergence",
+        },
+        _triton_refuses,
+        _triton_auto,
+    ),
+    "torch": BackendSpec(
+        {
+            "logprobs": "logitless.backends.torch_tiles",
+            "divergence": "logitless.backends.torch_divergence",
+        },
+        _torch_refuses,
+        lambda d, t: True,
+    ),
 }
 
 

@@ -31,6 +31,20 @@ def is_zero3_partitioned(t: object) -> bool:
     return hasattr(t, "ds_id") and status is not None and status.name != "AVAILABLE"
 
 
+def check_gathered(name: str, t: object) -> None:
+    """``t`` is not a DeepSpeed ZeRO-3 parameter that is still partitioned (its ``.data`` empty:
+    read as a head, a ``[0]`` tensor), or ``ValueError`` naming the fix."""
+    if is_zero3_partitioned(t):
+        raise ValueError(
+            f"{name} is a DeepSpeed ZeRO-3 parameter that is not gathered (shape "
+            f"{fmt_shape(t)} here, {list(t.ds_shape)} whole): pass the DeepSpeed engine "
+            "or its model to the logitless.integrations.hf functions (they gather the "
+            "head weight for as long as the head needs it), or call the head inside "
+            "`deepspeed.zero.GatheredParameters([weight, ...])` and run its backward "
+            "before the context closes"
+        )
+
+
 def check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

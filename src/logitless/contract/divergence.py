@@ -236,14 +236,17 @@ def _prefix(t: object, vocab: int | None) -> object:
 def _check_divergence_rules(
     weight, bias, teacher, teacher_topk, options: HeadOptions, div
 ) -> int | None:
-    """Which teacher, frozen teacher tensors, the backend (Triton: a dense teacher without
-    vocab parallelism);
-    returns the common vocabulary (rows of each head used; None: the heads as given)."""
-    if options.backend == "triton" and (teacher_topk is not None or options.vocab_parallel):
+    """Which teacher, frozen teacher tensors, the backend (a sparse teacher and vocab
+    parallelism run on the torch tiles alone: any other backend, Triton's, takes a dense
+    teacher on one device); returns the common vocabulary (rows of each head used; None: the
+    heads as given)."""
+    sparse_or_sharded = teacher_topk is not None or options.vocab_parallel
+    if options.backend not in ("auto", "torch") and sparse_or_sharded:
         what = "teacher_topk (a sparse teacher)" if teacher_topk is not None else "vocab_parallel"
         raise ValueError(
-            f"backend='triton' runs linear_divergence with a dense teacher on one device; "
-            f"{what} runs on the torch tiles: use backend='torch' (or 'auto', which picks them)"
+            f"backend={options.backend!r} runs linear_divergence with a dense teacher on one "
+            f"device; {what} runs on the torch tiles: use backend='torch' (or 'auto', which "
+            "picks them)"
         )
     if options.capturable:
         raise ValueError("linear_divergence has no capturable mode yet")

@@ -23,9 +23,9 @@ from .backend import resolve_backend
 from .checks import (
     INT_DTYPES,
     check_full_precision,
+    check_gathered,
     fmt_shape,
     is_dtensor,
-    is_zero3_partitioned,
     per_position,
 )
 from .collectives import check_then_agree
@@ -234,15 +234,7 @@ def _check_plain_tensors(tensors: dict[str, object], names: ArgNames) -> None:
             else:
                 advice = "pass this rank's rows as a plain tensor (`.to_local()`)"
             raise ValueError(f"{name} is a DTensor; logitless takes plain tensors: {advice}")
-        if is_zero3_partitioned(t):
-            raise ValueError(
-                f"{name} is a DeepSpeed ZeRO-3 parameter that is not gathered (shape "
-                f"{fmt_shape(t)} here, {list(t.ds_shape)} whole): pass the DeepSpeed engine "
-                "or its model to the logitless.integrations.hf functions (they gather the "
-                "head weight for as long as the head needs it), or call the head inside "
-                "`deepspeed.zero.GatheredParameters([weight, ...])` and run its backward "
-                "before the context closes"
-            )
+        check_gathered(name, t)
 
 
 def _check_hidden_against_weight(
@@ -445,11 +437,15 @@ def _reused_values(checked: HeadCall, label_vocab: int, stats_dtype: torch.dtype
 def with_hidden(call: HeadCall, hidden: object, options: HeadOptions) -> HeadCall:
     """``call`` (checked on a placeholder of the hidden states, e.g. before a model's backbone
     ran) with the real ``hidden`` in its place, after the checks that concern ``hidden`` alone:
-    type, shape, device, dtype. No value check and no host sync: those ran on ``call``.
+    type, shape, device, dtype; and that the call's weight and bias (the real parameters, put
+    in place of stand-ins) are not a ZeRO-3 partition. No value check and no host sync: those
+    ran on ``call``.
     ``options``: the call's options (``head_dtype=None``: hidden must share the weight's dtype).
     """
     if not isinstance(hidden, torch.Tensor) or is_dtensor(hidden):
         raise ValueError(f"hidden must be a plain torch.Tensor, got {type(hidden).__name__}")
+    check_gathered(HEAD_ARGS.weight, call.weight)  # the real weight replaced a stand-in
+    check_gathered(HEAD_ARGS.bias, call.bias)
     dim = call.weight.shape[1]
     if hidden.shape != (*call.batch_shape, dim) or not hidden.is_floating_point():
         raise ValueError(

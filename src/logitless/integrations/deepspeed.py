@@ -22,9 +22,12 @@ long as the head needs it:
 
 Either way the weight's gradient lands in ``.grad`` through autograd, where ZeRO-3's
 post-accumulate-grad hook reduce-scatters it into the rank's partition: no full-size copy of
-the weight or of its gradient outlives the step. A weight already whole (a persistent
-parameter under ``stage3_param_persistence_threshold``, or one the caller gathered with its own
-``GatheredParameters``) is used as it is.
+the weight or of its gradient outlives the step. A weight the caller gathered with its own
+``GatheredParameters`` is used as it is. A persistent parameter (no more elements than
+``stage3_param_persistence_threshold``, 1e5 by default) is partitioned like any other until
+DeepSpeed first gathers it, in its module's forward (which the head never runs) or after an
+optimizer step, and then stays whole on every rank: gathered as above while it is a
+partition (the first step), used as it is once whole.
 
 Refused by name (:func:`config_problem`): parameter or optimizer offload (ZeRO-Infinity,
 ``offload_param`` / ``offload_optimizer``) and ZeRO++'s quantized or hierarchical partitions:
@@ -39,6 +42,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from ..contract.checks import check_gathered, is_zero3_partitioned
 
 __all__ = [
     "config_problem",
@@ -81,11 +86,17 @@ def own_params(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def needs_gather(t: object) -> bool:
-    """A ZeRO-3 parameter that is not whole here and now: neither persistent nor inside a
-    ``GatheredParameters`` of the caller's."""
-    if not is_zero3(t):
+    """A ZeRO-3 parameter that the head must gather: not inside a ``GatheredParameters`` of
+    the caller's, and either partitioned or not persistent.
+
+    A persistent parameter (``stage3_param_persistence_threshold``) is partitioned too until
+    its first gather: DeepSpeed gathers it in its own module's forward (never run for the
+    head) and after each optimizer step, and keeps it whole from then on. Any other parameter
+    that is whole here was gathered by a module's hooks, which may release it before the head's
+    backward is done."""
+    if not is_zero3(t) or _gathered_by_caller(t):
         return False
-    return not (getattr(t, "ds_persist", False) or _gathered_by_caller(t))
+    return not getattr(t, "ds_persist", False) or is_zero3_partitioned(t)
 
 
 def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,9 +109,14 @@ def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def gathered_copy(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A detached whole copy of a ZeRO-3 parameter (a frozen teacher's head); others detached."""
-    if t is None or not needs_gather(t):
-        return None if t is None else t.detach()
+    """A detached whole copy of a ZeRO-3 parameter (a frozen teacher's head); others detached.
+    A partition that :func:`needs_gather` leaves alone (none, as it stands) is refused with the
+    ``ValueError`` naming the fix, not detached into a ``[0]`` that no longer says what it is."""
+    if t is None:
+        return None
+    if not needs_gather(t):
+        check_gathered("weight", t)
+        return t.detach()
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([t], modifier_rank=None):

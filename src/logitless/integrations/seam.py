@@ -555,7 +555,9 @@ def divergence(
     """:func:`logitless.linear_divergence` from ``teacher`` (its hidden states in its model's
     layout, the same labels; frozen) to the prepared call's ``tokens``; the two heads split
     the vocabulary the same way. ``options``: beta, vocab_size, with_logprobs (the teacher's
-    transform comes from ``teacher_head``)."""
+    transform comes from ``teacher_head``). The divergence's own rules (the two heads'
+    vocabularies, the teacher frozen) are checked here, where the teacher's hidden states
+    first exist; the student's call was checked by :func:`prepare`."""
     parallel = prepared.parallel
     with torch.no_grad():
         t_hidden = teacher.aligned(parallel)

@@ -280,7 +280,8 @@ def verl_forward(
     hf.check_model(model)
     hf_batch.check_token_range(input_ids, model, capturable=False)
     packed = _check_cu_seqlens(model, input_ids, cu_seqlens, cu_seqlens_cpu)
-    _check_inputs(model, input_ids, attention_mask, position_ids, media, boundaries=bool(packed))
+    inputs = hf_vlm.BackboneInputs(input_ids, attention_mask, position_ids, media)
+    _check_inputs(model, inputs, boundaries=bool(packed))
     labels = _labels(input_ids, attention_mask, labels, shift_labels)
     # The head call checked before the backbone runs (the seam's first phase): under
     # autocast the projection runs in lm_head's dtype, the autocast one
@@ -373,24 +374,16 @@ def _check_cu_seqlens(
     return out
 
 
-def _check_inputs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    media: dict[str, Any],
-    boundaries: bool = False,
-) -> None:
+def _check_inputs(model: nn.Module, inputs: hf_vlm.BackboneInputs, boundaries: bool) -> None:
     """What the backbone gets, checked as the HF functions check it
     (:func:`~logitless.integrations.hf_vlm.check_backbone_inputs`: image inputs only for a
     model that takes them, matching the image tokens of ``input_ids``, position ids of its
     rope's rank); a vision-language model also needs verl's ``[4, B, T]`` position ids (text
     positions first: what verl's datasets build and its Qwen2-VL forward demands; without the
     text row a packed row's documents would attend to each other)."""
+    input_ids, _, position_ids, _ = inputs
     try:
-        hf_vlm.check_backbone_inputs(
-            model, input_ids, attention_mask, position_ids, media, boundaries=boundaries
-        )
+        hf_vlm.check_backbone_inputs(model, inputs, boundaries=boundaries)
     except ValueError as err:
         raise ValueError(f"impl_backend=logitless: {err}") from None
     spec = hf_vlm.audited(model)

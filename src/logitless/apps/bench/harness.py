@@ -21,6 +21,7 @@ from typing import IO, TextIO
 
 import torch
 
+from ..output import write_csv
 from ..version import package_version
 from .results import MIB, Row, progress_line
 from .worker import PROGRESS_PREFIX, RESULT_PREFIX, _quantile
@@ -389,41 +390,37 @@ def check_csv_header(path: Path) -> None:
 
 def append_csv(path: Path, rows: Sequence[Row], timestamp: str) -> None:
     """Append ``rows`` to the CSV at ``path``, writing the header if the file is new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
     machine = machine_string()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        if new:
-            writer.writeheader()
-        for r in rows:
-            w = r.work
-            writer.writerow(
-                {
-                    "timestamp": timestamp,
-                    "task": w.task,
-                    "method": r.method,
-                    "status": r.status,
-                    "tokens": w.tokens,
-                    "hidden": w.hidden,
-                    "vocab": w.vocab,
-                    "valid_frac": w.valid_frac,
-                    "dtype": w.dtype,
-                    "device": w.device,
-                    "threads": w.threads,
-                    "repeats": w.repeats,
-                    "time_p50_s": _csv_num(r.time_p50_s),
-                    "time_p20_s": _csv_num(r.time_p20_s),
-                    "time_p80_s": _csv_num(r.time_p80_s),
-                    "peak_extra_mb": _csv_num(r.peak_extra_mb),
-                    **{k: _csv_num(r.ratios.get(k)) for k in CSV_COLUMNS if "_vs_" in k},
-                    "mem_floor_mb": _csv_num(w.memory_floor_bytes() / MIB),
-                    "note": r.reason,
-                    "machine": machine,
-                    "torch": torch.__version__,
-                    "logitless": package_version(),
-                }
-            )
+    write_csv(path, CSV_COLUMNS, (_csv_record(r, timestamp, machine) for r in rows), append=True)
+
+
+def _csv_record(r: Row, timestamp: str, machine: str) -> dict[str, object]:
+    """One :data:`CSV_COLUMNS` record of row ``r``."""
+    w = r.work
+    return {
+        "timestamp": timestamp,
+        "task": w.task,
+        "method": r.method,
+        "status": r.status,
+        "tokens": w.tokens,
+        "hidden": w.hidden,
+        "vocab": w.vocab,
+        "valid_frac": w.valid_frac,
+        "dtype": w.dtype,
+        "device": w.device,
+        "threads": w.threads,
+        "repeats": w.repeats,
+        "time_p50_s": _csv_num(r.time_p50_s),
+        "time_p20_s": _csv_num(r.time_p20_s),
+        "time_p80_s": _csv_num(r.time_p80_s),
+        "peak_extra_mb": _csv_num(r.peak_extra_mb),
+        **{k: _csv_num(r.ratios.get(k)) for k in CSV_COLUMNS if "_vs_" in k},
+        "mem_floor_mb": _csv_num(w.memory_floor_bytes() / MIB),
+        "note": r.reason,
+        "machine": machine,
+        "torch": torch.__version__,
+        "logitless": package_version(),
+    }
 
 
 def _csv_num(value: float | None) -> str:

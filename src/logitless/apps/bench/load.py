@@ -21,6 +21,8 @@ from dataclasses import dataclass
 # time, or the hypervisor stole more than this fraction of it.
 OTHERS_LIMIT = 0.10
 STEAL_LIMIT = 0.05
+# How a busy run's note starts (the table's warning; the CSV's note column ends with it).
+BUSY = "machine busy during the run"
 
 
 def read_proc_stat() -> list[int] | None:
@@ -61,10 +63,16 @@ class LoadReport:
         if not self.busy:
             return ""
         return (
-            f"machine busy during the run: other processes used {100 * (self.others or 0):.0f}% "
+            f"{BUSY}: other processes used {100 * (self.others or 0):.0f}% "
             f"of the CPU time, steal {100 * (self.steal or 0):.0f}%; time ratios may be off "
             "(rerun on a quiet machine)"
         )
+
+
+def busy_note(text: str) -> str:
+    """The busy-machine note in ``text`` (a CSV row's ``note``, which ends with it), or ''."""
+    start = text.find(BUSY)
+    return text[start:] if start >= 0 else ""
 
 
 class LoadMonitor:

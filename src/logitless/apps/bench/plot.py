@@ -4,8 +4,9 @@ One token count (one shape): horizontal bars, time and memory side by side, one 
 the time floors (``floor3``, ``floor4``, ``floor6``) and the memory floor (the gradients
 ``dW + dh``) are reference lines, not bars, named in one legend under both panels. Several
 token counts (a sweep): time and memory against tokens on log axes, one line per method, the
-floors dashed. The title says what was timed, the shape, dtype and device; methods that failed
-or were skipped are named under the plot.
+floors dashed. The title says what was timed, the shape, dtype and device, then the
+busy-machine warning when the run had one (the table's last line); methods that failed or were
+skipped are named under the plot, below the legend.
 
 Also a script, to redraw a run recorded in a bench CSV::
 
@@ -17,14 +18,15 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import Row
+from ..output import PlotUnavailable, plain_axes, pyplot, save_figure
+from .load import busy_note
+from .results import MIB, Row
 from .workload import Workload
-
-MIB = 1024 * 1024
 
 TASK_TITLES = {
     "logprobs": "log-probs + entropy, forward + backward",
@@ -46,23 +48,6 @@ def _floors(methods: Sequence[str]) -> list[str]:
 def _floor_label(name: str) -> str:
     """``floor4`` -> ``floor4: 4 bare matmuls``."""
     return f"{name}: {name.removeprefix('floor')} bare matmuls"
-
-
-class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise PlotUnavailable(
-            "--plot needs matplotlib: pip install -e '.[bench]' in a logitless checkout"
-        ) from exc
-    return plt
 
 
 def _roles(task: str, methods: Sequence[str]) -> dict[str, str]:
@@ -151,39 +136,64 @@ def _num(value: float) -> str:
     return f"{value:.3g}"
 
 
-def plot_rows(rows: Sequence[Row], path: Path, machine: str = "") -> None:
+def plot_rows(rows: Sequence[Row], path: Path, machine: str = "", warning: str = "") -> None:
     """Write the PNG of one run's rows (see :func:`make_figure`).
 
     Raises:
         PlotUnavailable: matplotlib is missing (``pip install -e '.[bench]'`` in a logitless
             checkout).
     """
-    plt = _pyplot()
-    fig = make_figure(rows, machine)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(make_figure(rows, machine, warning), path)
 
 
-def make_figure(rows: Sequence[Row], machine: str = "") -> Any:
+def make_figure(rows: Sequence[Row], machine: str = "", warning: str = "") -> Any:
     """The matplotlib figure of one run: bars for one token count, lines for several.
 
-    ``machine`` (as in the CSV's ``machine`` column) names the GPU or CPU in the title. The
-    figure has two axes, time then memory.
+    ``machine`` (as in the CSV's ``machine`` column) names the GPU or CPU in the title;
+    ``warning`` (the busy-machine note the table ends with, :mod:`.load`) is printed under it.
+    The figure has two axes, time then memory.
 
     Raises:
         PlotUnavailable: matplotlib is missing.
         ValueError: ``rows`` is empty.
     """
-    plt = _pyplot()
+    plt = pyplot()
     if not rows:
         raise ValueError("no rows to plot")
     sweep = len({r.work.tokens for r in rows}) > 1
-    return _plot_sweep(plt, rows, machine) if sweep else _plot_bars(plt, rows, machine)
+    fig = _plot_sweep(plt, rows, machine) if sweep else _plot_bars(plt, rows, machine)
+    title = _title(rows[0].work, machine, sweep)
+    if warning:  # what qualifies every number of the plot goes where it is read first
+        title += "\n" + _wrap(fig, f"warning: {warning}", points=11)
+    fig.suptitle(title, fontsize=11)
+    _footnote(fig, rows)
+    return fig
+
+
+def _figure(plt: Any, size: tuple[float, float]) -> tuple[Any, Any]:
+    """A figure and the one subfigure that holds its two panels and their legend.
+
+    The figure's title (and warning) and its footnote sit around the subfigure: the layout
+    gives each side's margin to one thing only (the largest), so a legend and a footnote both
+    in the figure's bottom margin would overlap; in the subfigure, the legend is laid out
+    inside it, above the footnote.
+    """
+    fig = plt.figure(figsize=size, layout="constrained")
+    return fig, fig.subfigures(1, 1)
+
+
+def _wrap(fig: Any, text: str, points: float) -> str:
+    """``text`` cut into lines as wide as ``fig`` at a font of ``points`` (about 0.55 em a
+    character)."""
+    return textwrap.fill(text, width=int(fig.get_figwidth() * 72 / (0.55 * points)))
 
 
 def _footnote(fig: Any, rows: Sequence[Row]) -> None:
-    """Under the plot: the methods without numbers, and why (token counts where it varies)."""
+    """Under the plot: the methods without numbers, and why (token counts where it varies).
+
+    It is the figure's ``supxlabel``, under the subfigure of the panels and their legend
+    (:func:`_figure`).
+    """
     tokens = {r.work.tokens for r in rows}
     missing: dict[tuple[str, str], list[int]] = {}
     for r in rows:
@@ -195,7 +205,7 @@ def _footnote(fig: Any, rows: Sequence[Row]) -> None:
         for (method, reason), at in missing.items()
     ]
     if notes:
-        fig.supxlabel("; ".join(notes), fontsize=9, color="#555555")
+        fig.supxlabel(_wrap(fig, "; ".join(notes), points=9), fontsize=9, color="#555555")
 
 
 def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
@@ -212,9 +222,8 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
     m_unit, m_scale = _mem_unit([*m_vals, m_floor])
 
     height = 1.6 + 0.55 * max(1, len(shown))
-    fig, (ax_t, ax_m) = plt.subplots(
-        1, 2, figsize=(12, height + 0.6), sharey=True, layout="constrained"
-    )
+    fig, panels = _figure(plt, (12, height + 0.6))
+    ax_t, ax_m = panels.subplots(1, 2, sharey=True)
     ys = list(range(len(shown)))[::-1]  # first method on top
     labels = []
     for y, r in zip(ys, shown, strict=True):
@@ -247,7 +256,7 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
         )
     ax_t.set_yticks(ys, labels)
     _bar_axes(
-        fig,
+        panels,
         (
             ax_t,
             "time",
@@ -258,8 +267,6 @@ def _plot_bars(plt: Any, rows: Sequence[Row], machine: str) -> Any:
         ),
         (ax_m, "memory", "peak extra memory", m_unit, m_scale, [*m_vals, m_floor]),
     )
-    fig.suptitle(_title(rows[0].work, machine, sweep=False), fontsize=11)
-    _footnote(fig, rows)
     return fig
 
 
@@ -285,23 +292,22 @@ def _bar(ax: Any, y: int, r: Row, value: float | None, unit: tuple, ratio, color
     )
 
 
-def _bar_axes(fig: Any, *panels: tuple) -> None:
+def _bar_axes(panels_figure: Any, *panels: tuple) -> None:
     """Each ``(ax, title, xlabel, unit, scale, values)`` panel's axis, then the reference lines'
-    legend under both panels, where the layout keeps it clear of the axis labels and it never
-    hides a bar."""
+    legend under both panels (in ``panels_figure``, the subfigure that holds them), where the
+    layout keeps it clear of the axis labels and it never hides a bar."""
     for ax, title, xlabel, unit, scale, values in panels:
         ax.set_xlabel(f"{xlabel} ({unit}), lower is better")
         ax.set_xlim(0, max(values, default=1) * scale * 1.45 or 1)
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
+        plain_axes(ax)
         ax.set_title(title, fontsize=11)
     handles, names = (
         sum(x, []) for x in zip(*(p[0].get_legend_handles_labels() for p in panels), strict=True)
     )
     if handles:
-        fig.legend(
+        panels_figure.legend(
             handles,
             names,
             loc="outside lower center",
@@ -324,7 +330,8 @@ def _plot_sweep(plt: Any, rows: Sequence[Row], machine: str) -> Any:
     }
     m_unit, m_scale = _mem_unit([*(r.peak_extra_mb or 0 for r in ok), *floors_mb.values()])
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13.5, 5), layout="constrained")
+    fig, panels = _figure(plt, (13.5, 5))
+    ax_t, ax_m = panels.subplots(1, 2)
     for name in methods:
         pts = sorted(((r.work.tokens, r) for r in ok if r.method == name), key=lambda p: p[0])
         style = dict(color=colors[name], marker="o", linewidth=2 if roles[name] == "op" else 1.5)
@@ -361,14 +368,12 @@ def _plot_sweep(plt: Any, rows: Sequence[Row], machine: str) -> Any:
     _log_axes(ax_m, tokens, f"peak extra memory ({m_unit})")
     ax_t.set_title("time (lower is better)", fontsize=11)
     ax_m.set_title("memory (lower is better)", fontsize=11)
-    fig.suptitle(_title(rows[0].work, machine, sweep=True), fontsize=11)
     # one legend for both panels, under them: methods, then the reference lines
     handles, labels = ax_t.get_legend_handles_labels()
     more = ax_m.get_legend_handles_labels()
-    fig.legend(
+    panels.legend(
         handles + more[0], labels + more[1], loc="outside right upper", fontsize=9, frameon=False
     )
-    _footnote(fig, rows)
     return fig
 
 
@@ -414,8 +419,7 @@ def _log_axes(ax: Any, tokens: list[int], ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
     ax.grid(True, which="minor", alpha=0.1)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
+    plain_axes(ax)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rows, machine = rows_from_csv(args.csv, task=args.task, run=args.run)
-        plot_rows(rows, args.png, machine)
+        warning = next((n for n in (busy_note(r.reason) for r in rows) if n), "")
+        plot_rows(rows, args.png, machine, warning)
     except (OSError, ValueError, KeyError, PlotUnavailable) as exc:
         parser.error(str(exc))
     print(f"wrote {args.png}", file=sys.stderr)

@@ -15,13 +15,13 @@ run (a peer that is not installed) count as overhead only.
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from ..output import StatusLine
 from .results import Row, progress_line
 from .workload import Workload
 
@@ -82,12 +82,12 @@ class BenchProgress:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream, self.clock = stream, clock
-        self.live = stream.isatty() if live is None else live
+        self.status = StatusLine(stream, live, indent="  ")
+        self.live = self.status.live
         self.units = [_Unit(m, w, warmups(w), runs(m, w)) for m, w in plan]
         self.t0 = clock()
         self.current = -1
         self._since = self.t0  # when the current unit got the machine
-        self._status_shown = False
 
     # ----------------------------------------------------------------------------- events
 
@@ -136,7 +136,7 @@ class BenchProgress:
         if index == self.current:
             self._switch(-1)
         unit.finished, unit.phase = self.clock(), ""
-        self._clear()
+        self.status.clear()
         line = progress_line(index + 1, len(self.units), row)
         self.stream.write(f"{line} | {self._times()}\n")
         self.stream.flush()
@@ -150,7 +150,7 @@ class BenchProgress:
 
     def close(self) -> None:
         """Clear the live status line, leaving the terminal to the table."""
-        self._clear()
+        self.status.clear()
 
     # ----------------------------------------------------------------------------- estimate
 
@@ -224,18 +224,5 @@ class BenchProgress:
 
     def _show(self, text: str, log: bool = True) -> None:
         """The status: redrawn in place when live, else one line (if ``log``)."""
-        if self.live:  # cut to the terminal's width: a wrapped line cannot be redrawn in place
-            width = shutil.get_terminal_size().columns
-            self.stream.write(f"\r\033[K{f'{text} | {self._times()}'[: width - 1]}")
-            self._status_shown = True
-        elif log:
-            self.stream.write(f"  {text} | {self._times()}\n")
-        else:
-            return
-        self.stream.flush()
-
-    def _clear(self) -> None:
-        if self._status_shown:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-            self._status_shown = False
+        if self.live or log:
+            self.status.show(f"{text} | {self._times()}", log)

@@ -10,12 +10,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ...contract.options import IGNORE_INDEX  # noqa: F401  (the workloads' ignored label)
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

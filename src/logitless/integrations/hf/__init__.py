@@ -62,30 +62,7 @@ which check their arguments and run the work as the outermost wrapper's forward;
 vision-language classes.
 """
 
-from .functions import (
-    SUPPORTED_MODELS,
-    CausalLMHead,
-    causal_lm_divergence,
-    causal_lm_head,
-    causal_lm_hidden_states,
-    causal_lm_labels,
-    causal_lm_logprobs,
-    causal_lm_policy_loss,
-    causal_lm_router_aux_coef,
-    check_model,
-    run_in_forward,
-)
+from . import functions
+from .functions import *  # noqa: F403  (the public entry points, listed in functions.__all__)
 
-__all__ = [
-    "SUPPORTED_MODELS",
-    "CausalLMHead",
-    "causal_lm_divergence",
-    "causal_lm_head",
-    "causal_lm_hidden_states",
-    "causal_lm_labels",
-    "causal_lm_logprobs",
-    "causal_lm_policy_loss",
-    "causal_lm_router_aux_coef",
-    "check_model",
-    "run_in_forward",
-]
+__all__ = list(functions.__all__)

@@ -24,7 +24,7 @@ from ...packing import (
     position_documents,
 )
 from .model import Backbone, run_backbone
-from .vlm import check_backbone_inputs, text_positions
+from .vlm import BackboneInputs, check_backbone_inputs, text_positions
 
 __all__ = [
     "MASK_DTYPES",
@@ -260,7 +260,9 @@ class ModelBatch(NamedTuple):
         if isinstance(self.cu_seqlens, torch.Tensor) and input_ids.shape[0] == 1:
             # what the backbone gets; a bad cu_seqlens is named by the input checks after this
             position_ids = model_position_ids(None, self.cu_seqlens, input_ids.shape[1])
-        check_backbone_inputs(lm, input_ids, self.attention_mask, position_ids, model_kwargs)
+        check_backbone_inputs(
+            lm, BackboneInputs(input_ids, self.attention_mask, position_ids, model_kwargs)
+        )
 
     def backbone(
         self, lm: nn.Module, model_kwargs: dict[str, Any], router_logits: bool = False
@@ -270,9 +272,8 @@ class ModelBatch(NamedTuple):
         position_ids = model_position_ids(
             self.position_ids, self.cu_seqlens, self.input_ids.shape[1]
         )
-        return run_backbone(
-            lm, self.input_ids, self.attention_mask, position_ids, model_kwargs, router_logits
-        )
+        inputs = BackboneInputs(self.input_ids, self.attention_mask, position_ids, model_kwargs)
+        return run_backbone(lm, inputs, router_logits)
 
 
 def document_ids_of(

@@ -35,6 +35,7 @@ from .model import (
     check_model,
     run_backbone,
 )
+from .vlm import BackboneInputs
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -187,8 +188,8 @@ def causal_lm_hidden_states(
         check_like_ids("attention_mask", attention_mask, input_ids, MASK_DTYPES)
     if position_ids is not None:
         check_position_ids(position_ids, input_ids)
-    args = (input_ids, attention_mask, position_ids, model_kwargs)
-    return run_in_forward(model, lambda lm: run_backbone(lm, *args).hidden)
+    inputs = BackboneInputs(input_ids, attention_mask, position_ids, model_kwargs)
+    return run_in_forward(model, lambda lm: run_backbone(lm, inputs).hidden)
 
 
 @given_arguments

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -245,7 +245,10 @@ def head_for_checks(model: nn.Module) -> Head:
     ones exist inside the forward, see :func:`with_head`)."""
     lm_head, softcap, scale = check_model(model)
     own = deepspeed.own_params(lm_head)
-    weight, bias = (_stand_in(deepspeed.stand_in(own.get(k))) for k in ("weight", "bias"))
+    if deepspeed.is_zero3(own.get("weight")):  # read without the attribute: see own_params
+        weight, bias = (deepspeed.stand_in(own.get(k)) for k in ("weight", "bias"))
+    else:  # the attributes (FSDP1 leaves its flat parameters' views unregistered)
+        weight, bias = _stand_in(lm_head.weight), _stand_in(lm_head.bias)
     return _seam_head(CausalLMHead(weight, bias, softcap, scale))
 
 
@@ -287,27 +290,22 @@ class Backbone(NamedTuple):
 
 
 def run_backbone(
-    lm: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    model_kwargs: dict[str, Any],
-    router_logits: bool = False,
+    lm: nn.Module, inputs: vlm.BackboneInputs, router_logits: bool = False
 ) -> Backbone:
     """``lm.model(...)`` as the audited forwards call it (``use_cache=False``), after the
     checks of what it gets (:func:`~logitless.integrations.vlm.check_backbone_inputs`:
     image inputs only for the classes that take them, matching ``input_ids``; position ids of
     the rank the model's rope takes)."""
     audited_class(lm)
-    vlm.check_backbone_inputs(lm, input_ids, attention_mask, position_ids, model_kwargs)
+    vlm.check_backbone_inputs(lm, inputs)
     extra = {"output_router_logits": True} if router_logits else {}
     out = backbone_module(lm)(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
         use_cache=False,
         **extra,
-        **model_kwargs,
+        **inputs.kwargs,
     )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return Backbone(hidden, tuple(out.router_logits) if router_logits else None)

@@ -459,13 +459,20 @@ def audited(model: nn.Module) -> VisionLanguage | None:
     return next((AUDITED[c.__name__] for c in type(model).__mro__ if c.__name__ in AUDITED), None)
 
 
+class BackboneInputs(NamedTuple):
+    """What a transformers backbone (``model.model``) is called with: ``input_ids`` ``[B, T]``,
+    the ``attention_mask`` and ``position_ids`` it gets (``[B, T]``, or a multimodal rope's
+    ``[3, B, T]`` / verl's ``[4, B, T]``), and its other keyword arguments (image inputs, a
+    flash-attention varlen argument, ...)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    kwargs: Mapping[str, Any] = {}
+
+
 def check_backbone_inputs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    model_kwargs: Mapping[str, Any],
-    boundaries: bool = False,
+    model: nn.Module, inputs: BackboneInputs, boundaries: bool = False
 ) -> None:
     """What the backbone of ``model`` (unwrapped, audited) gets, checked before it runs: the
     multimodal arguments it takes and only those; for a vision-language class, image tokens in
@@ -473,6 +480,7 @@ def check_backbone_inputs(
     that match, the type ids, position ids of the rank its rope takes, and one document per
     row for a class that cannot keep packed documents apart (``boundaries``: the backbone is
     given the documents' boundaries, verl's ``cu_seqlens`` to its Qwen3.5 forward)."""
+    input_ids, attention_mask, position_ids, model_kwargs = inputs
     name = type(model).__name__
     spec = audited(model)
     taken = spec.inputs if spec is not None else frozenset()

@@ -16,7 +16,7 @@ megatron-core 0.19 that call is made from the ``output_processor`` handed to
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,17 @@ class Batch:
                 raise TypeError(f"{name}= is logitless's to set, not a model argument here")
         kwargs = {"packed_seq_params": packed_seq_params, **model_kwargs}
         return cls(head, tuple(inputs), kwargs, torch.where(mask, labels, IGNORE_INDEX), mask, doc)
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> Batch:
+        """:meth:`read` of an entry point's arguments by name (``model``, ``input_ids``,
+        ``position_ids``, ``attention_mask``, ``labels``, ``loss_mask``, ``packed_seq_params``,
+        ``model_kwargs``: the signature every Megatron entry point shares)."""
+        inputs = (given["input_ids"], given["position_ids"], given["attention_mask"])
+        return cls.read(
+            given["model"], inputs, given["labels"], given["loss_mask"],
+            given["packed_seq_params"], given["model_kwargs"],
+        )  # fmt: skip
 
     def prepare(
         self,

@@ -70,10 +70,7 @@ def logprobs(
     ``[V/tp, H]`` gradient (:func:`main_grad_into`; None: wherever DDP gave it an fp32
     ``main_grad``).
     """
-    batch = Batch.read(
-        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
-        model_kwargs,
-    )  # fmt: skip
+    batch = Batch.of(given)
     prep = batch.prepare(HeadOptions.pick(given), gradient_accumulation_fusion)
     return batch.run(lambda tokens, head: seam.logprobs(prep, tokens, head))
 
@@ -117,10 +114,7 @@ def policy_loss(
     taken in the forward pass, waits in an fp32 scratch until ``backward()`` adds it into
     ``main_grad`` (docs/megatron.md).
     """
-    batch = Batch.read(
-        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
-        model_kwargs,
-    )  # fmt: skip
+    batch = Batch.of(given)
     loss = LossArgs(config, normalizer, teacher, gradient_accumulation_fusion)
     return run_policy_loss(batch, inputs, loss, HeadOptions.pick(given))
 
@@ -181,10 +175,7 @@ def divergence(
     tensor-parallel vocabulary split) to ``model``, ``[B, S]`` fp32 (TRL's ``beta``
     convention, :func:`logitless.linear_divergence`). The teacher runs first, without
     gradient, inside its own ``output_layer``'s forward."""
-    batch = Batch.read(
-        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
-        model_kwargs,
-    )  # fmt: skip
+    batch = Batch.of(given)
     prep = batch.prepare(HeadOptions.pick(given))  # before either model runs
     div = DivergenceOptions.pick(given)
     t_tokens, t_head = batch.teacher(teacher)

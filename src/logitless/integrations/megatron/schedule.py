@@ -106,10 +106,7 @@ def policy_loss_step(
             **model_kwargs,
         )
         return out, _never_called
-    batch = Batch.read(  # the layout read once: the loss and the schedule's token count
-        model, (input_ids, position_ids, attention_mask), labels, loss_mask, packed_seq_params,
-        model_kwargs,
-    )  # fmt: skip
+    batch = Batch.of(given)  # the layout read once: the loss and the schedule's token count
     loss_args = LossArgs(config, normalizer, teacher, gradient_accumulation_fusion)
     loss, metrics = run_policy_loss(batch, inputs, loss_args, HeadOptions.pick(given))
     num_tokens = batch.mask.sum().to(torch.int)

@@ -598,9 +598,8 @@ class LogitlessGRPOMixin:
             prep = seam.prepare(labels, head, options)  # before the backbone
             images = _check_multimodal({k: inputs.get(k) for k in _TRL_MULTIMODAL})
             images = _image_rows(images, slice(0, input_ids.shape[0]))
-            out = hf_model.run_backbone(
-                lm, input_ids, attention_mask, None, images, router_logits=self.aux_loss_enabled
-            )
+            backbone_in = hf_vlm.BackboneInputs(input_ids, attention_mask, None, images)
+            out = hf_model.run_backbone(lm, backbone_in, router_logits=self.aux_loss_enabled)
         aux = None
         if out.router_logits is not None:
             aux = hf_model.router_aux_loss(lm, out.router_logits, attention_mask)

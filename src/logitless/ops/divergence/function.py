@@ -3,24 +3,11 @@ every option in objects (the teacher is frozen: it gets no gradient)."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
+from ...backends import divergence_backend_for
 from ...backends.base import DivOptions, DivRows, DivStats, DivUpstream
 from ..rows import refuse_double_backward
-
-
-def _implementation(opts: DivOptions) -> ModuleType:
-    """The module whose ``forward_rows`` / ``backward_rows`` run the call: the Triton kernels
-    (imported on first use) or the torch tiles, as the checked call resolved its backend."""
-    if opts.student.backend == "triton":
-        from ...backends import triton_divergence
-
-        return triton_divergence
-    from . import tiles
-
-    return tiles
 
 
 class LinearDivergenceFunction(torch.autograd.Function):
@@ -29,7 +16,7 @@ class LinearDivergenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, rows: DivRows, opts: DivOptions):
         student = rows.student._replace(hidden=hidden, weight=weight, bias=bias)
-        stats = _implementation(opts).forward_rows(rows._replace(student=student), opts)
+        stats = divergence_backend_for(opts).forward_rows(rows._replace(student=student), opts)
         ctx.opts = opts
         ctx.rows = rows._replace(student=student._replace(hidden=None, weight=None, bias=None))
         ctx.set_materialize_grads(False)
@@ -46,7 +33,7 @@ class LinearDivergenceFunction(torch.autograd.Function):
         stats = DivStats(*saved)
         student = ctx.rows.student._replace(hidden=hidden, weight=weight, bias=bias)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-        gh, gw, gb = _implementation(ctx.opts).backward_rows(
+        gh, gw, gb = divergence_backend_for(ctx.opts).backward_rows(
             ctx.rows._replace(student=student),
             stats,
             DivUpstream(grad_div, grad_logp, grad_ent),
@@ -65,4 +52,4 @@ def run_rows(rows: DivRows, opts: DivOptions) -> DivStats:
         out = LinearDivergenceFunction.apply(s.hidden, s.weight, s.bias, rows, opts)
         ent = out[2] if len(out) == 3 else None
         return DivStats(out[0], out[1], ent, *(None,) * (len(DivStats._fields) - 3))
-    return _implementation(opts).forward_rows(rows, opts)
+    return divergence_backend_for(opts).forward_rows(rows, opts)

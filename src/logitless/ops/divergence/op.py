@@ -16,7 +16,7 @@ from ...contract.divergence import (
     TeacherTopK,
     check_divergence_call,
 )
-from ...contract.options import Backend, HeadOptions, given_arguments
+from ...contract.options import IGNORE_INDEX, Backend, HeadOptions, given_arguments
 from ...contract.vocab import VocabParallel
 from ...types import Divergence
 from ..rows import kernel_batch, kernel_options, select_rows
@@ -45,7 +45,7 @@ def linear_divergence(
     vocab_size: int | None = None,
     with_logprobs: bool = False,
     with_entropy: bool = False,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     vocab_parallel: VocabParallel | None = None,

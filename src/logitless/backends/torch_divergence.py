@@ -16,9 +16,10 @@ softmax-neutral bias shifts a head). When a max moves, every ``d`` of its head s
 ``δ = m_old - m_new``: the cross sum becomes ``α·(c + (δ_own - δ_other)·s)``, ``α = exp(δ_own)``.
 
 The generalized JSD needs ``log m = log((1-β)·p_s + β·p_t)``, hence both log-sum-exps first: a
-second pass sums ``Σ p·(lp - log m)`` for each head. A sparse teacher (:mod:`.topk`) folds the
-student's logits at the teacher's ids and its mass outside them. Only ``[rows]`` statistics
-are kept; backward recomputes the tiles and turns the student's into its logit gradient:
+second pass sums ``Σ p·(lp - log m)`` for each head. A sparse teacher
+(:mod:`.torch_divergence_topk`) folds the student's logits at the teacher's ids and its mass
+outside them. Only ``[rows]`` statistics are kept; backward recomputes the tiles and turns the
+student's into its logit gradient:
 
     dz_s = d·∂D/∂z_s + g·(onehot(y) - p_s) - e·p_s ⊙ (lp_s + H)
 
@@ -27,6 +28,10 @@ transform's derivative, and multiplies it out with the head-gradient accumulator
 log-prob op. Under vocab parallelism every rank folds its own shard of both heads and the
 running sums are combined over the group (one MAX and one SUM all-reduce per row chunk, one
 more SUM for the JSD's second pass).
+
+This module is the ``"torch"`` backend's divergence (:class:`~.base.DivergenceBackend`, named
+in :data:`logitless.contract.backend.BACKENDS`), on the log-prob op's projection and gradient
+accumulator (:mod:`.torch_tiles`); :mod:`.triton_divergence` is the ``"triton"`` one.
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ from typing import NamedTuple
 
 import torch
 
-from ...backends.base import (
+from ..contract.collectives import all_reduce
+from ..contract.divergence import TopKRows
+from . import torch_divergence_topk as sparse
+from .base import (
     DivOptions,
     DivRows,
     DivStats,
@@ -45,10 +53,7 @@ from ...backends.base import (
     Needs,
     padded_backward,
 )
-from ...backends.torch_tiles import GradAccumulator, label_slot, project, weight_block
-from ...contract.collectives import all_reduce
-from ...contract.divergence import TopKRows
-from . import topk as sparse
+from .torch_tiles import GradAccumulator, label_slot, project, weight_block
 
 
 def _log_softmax_(z: torch.Tensor, m: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The sparse teacher's part of the divergence tiles: K top-k ids per row plus one tail bucket.
+"""The sparse teacher's part of the divergence's torch tiles (:mod:`.torch_divergence`): K
+top-k ids per row plus one tail bucket.
 
 Two distributions over a row's K+1 buckets (its ids ``K`` and the tail): the teacher's ``r``
 (its log-probs ``lp_t`` at the ids, the tail mass ``τ_t = 1 - Σ_K p_t``) and the student's

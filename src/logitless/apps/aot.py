@@ -22,11 +22,14 @@ per block (163 KB on sm_80, 227 KB on sm_90 and sm_100) or more than 255 registe
 the headline problem (bf16, H = 3584, V = 152064), when it spills. What it cannot tell: speed,
 and numbers (the interpreter tests check those).
 
-Run ``python -m logitless.backends.aot --report`` (the table) or ``--check`` (exit status 1 on
+Run ``python -m logitless.apps.aot --report`` (the table) or ``--check`` (exit status 1 on
 a failure). It must run without ``TRITON_INTERPRET`` (the kernels are built at import); the
 test and ``benchmarks/triton_compile_report.py`` start it in a process of its own. Results are
 cached per compiled source, target and options (``--cache``): an unchanged kernel is not
 compiled again.
+
+A tool built on the kernel layer, so an app: it imports :mod:`logitless.backends`, which never
+imports it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..contract.backend import interpreting
 
 # Targets: (compute capability, shared memory per block with opt-in, bytes).
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024), "sm_100": (100, 227 * 1024)}
@@ -111,11 +116,11 @@ class Job:
 
 
 def _launcher():
-    """:mod:`.triton_launch` with every kernel family's kernels registered (each family
-    registers its kernels when it is imported)."""
+    """:mod:`logitless.backends.triton_launch` with every kernel family's kernels registered
+    (each family registers its kernels when it is imported)."""
     import importlib
 
-    from . import triton_launch
+    from ..backends import triton_launch
 
     for family in triton_launch.FAMILIES:
         importlib.import_module(family)
@@ -124,8 +129,8 @@ def _launcher():
 
 def _head(setup: Setup, rows: int, hidden: int, variant: dict, entropy: bool):
     """A RowBatch and KernelOptions of meta tensors."""
+    from ..backends.base import KernelOptions, RowBatch, Schedule
     from ..transform import LogitTransform
-    from .base import KernelOptions, RowBatch, Schedule
 
     vocab = HEADLINE["vocab"]
     meta = {"device": "meta"}
@@ -147,9 +152,9 @@ def _head(setup: Setup, rows: int, hidden: int, variant: dict, entropy: bool):
 
 
 def _record_head(setup: Setup, rows: int, variant: dict, entropy: bool, grads: str, hidden: int):
-    from . import triton_kernels as tk
-    from .base import RowStats, Upstream
-    from .triton_launch import recording
+    from ..backends import triton_kernels as tk
+    from ..backends.base import RowStats, Upstream
+    from ..backends.triton_launch import recording
 
     batch, opts = _head(setup, rows, hidden, variant, entropy)
     with recording() as launches:
@@ -164,9 +169,9 @@ def _record_head(setup: Setup, rows: int, variant: dict, entropy: bool, grads: s
 def _record_divergence(
     setup: Setup, rows: int, variant: dict, entropy: bool, mode: str, hidden: int
 ):
-    from . import triton_divergence as dk
-    from .base import DivOptions, DivRows, DivStats, DivUpstream
-    from .triton_launch import recording
+    from ..backends import triton_divergence as dk
+    from ..backends.base import DivOptions, DivRows, DivStats, DivUpstream
+    from ..backends.triton_launch import recording
 
     student, s_opts = _head(setup, rows, hidden, variant, entropy)
     teacher, t_opts = _head(setup, rows, _TEACHER_HIDDEN + hidden % 16, variant, False)
@@ -317,8 +322,8 @@ def _source(job: Job):
 @functools.cache
 def _kernel_source(kernel: str) -> str:
     """The source of kernel ``kernel`` and of every ``@triton.jit`` function it calls, directly
-    or not (Triton's own key also holds their line numbers: an edit above a kernel would
-    recompile it)."""
+    or not, by its name or through a module (``tiles.logits_tile(...)``). Triton's own key
+    also holds their line numbers: an edit above a kernel would recompile it."""
     import triton
 
     plain = _launcher().KERNELS[kernel].plain
@@ -329,8 +334,11 @@ def _kernel_source(kernel: str) -> str:
             continue
         seen.add(fn)
         parts.append(fn.src)
-        for name in sorted(set(re.findall(r"\b(\w+)\s*\(", fn.src))):
-            dep = fn.fn.__globals__.get(name)
+        for name in sorted(set(re.findall(r"\b([\w.]+)\s*\(", fn.src))):
+            first, *attrs = name.split(".")
+            dep = fn.fn.__globals__.get(first)
+            for attr in attrs:
+                dep = getattr(dep, attr, None)
             if isinstance(dep, triton.runtime.JITFunction):
                 todo.append(dep)
     return "\n".join(parts)
@@ -497,7 +505,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", action="append", choices=list(TARGETS))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     ns = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreting():  # Triton would build interpreted functions, which do not compile
         print("run without TRITON_INTERPRET=1 (the kernels are built at import)", file=sys.stderr)
         return 2
     results = run(tuple(ns.target or TARGETS), ns.cache, ns.workers)
