@@ -20,14 +20,15 @@ pipeline parallelism. :func:`loss_config` maps slime's arguments onto a
 model provider calls it before any model is built, on every rank alike.
 
 The package, by concern: :mod:`~.config` (slime's options), :mod:`~.layout` (a micro-batch's
-response tokens on this rank), :mod:`~.model` (the provider and the processor), :mod:`~.loss`
-(the loss). docs/slime.md has the contract and the limits.
+response tokens on this rank), :mod:`~.head` (the processor and the loss: the switch's two
+halves, which meet in the hidden states the one hands the other), :mod:`~.model` (the
+provider). docs/slime.md has the contract and the limits.
 """
 
 from .config import MODEL_PROVIDER, POLICY_LOSS, check_switch, loss_config
+from .head import HeadStage, head_stage, output_processor, policy_loss, with_head
 from .layout import Responses, responses
-from .loss import policy_loss
-from .model import HeadStage, head_stage, model_provider, output_processor, with_head
+from .model import model_provider
 
 __all__ = [
     "MODEL_PROVIDER",

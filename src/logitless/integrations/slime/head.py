@@ -1,12 +1,22 @@
-"""slime's policy loss from the decoder's hidden states: what
-``--loss-type custom_loss --custom-loss-function-path logitless.integrations.slime.policy_loss``
-runs.
+"""slime's head and policy loss, the two halves of the switch: what the model hands the loss,
+and the loss that runs the head on it.
 
-Part of :mod:`logitless.integrations.slime`. slime's ``loss_function`` calls
+Part of :mod:`logitless.integrations.slime`. :func:`with_head` makes slime's ``GPTModel`` pass
+megatron-core 0.19's ``output_processor=`` (:func:`output_processor`). In training (gradients
+on) the processor returns the decoder's final hidden states ``[S, B, H]`` (this rank's sequence
+shard under sequence parallelism; fp32, so Megatron's ``Float16Module`` hands them on as they
+are) carrying the output layer they belong to (:class:`HeadStage`); the ``[S, B, V/tp]`` logits
+are never computed. Without gradients (slime's ``forward_only`` pass of the old and reference
+log-probs, which calls slime's own ``get_log_probs_and_entropy`` by name), and for an output
+layer that is not a vocabulary head (slime's critic puts a value head there), it returns the
+logits exactly as ``GPTModel`` would.
+
+:func:`policy_loss` is what ``--loss-type custom_loss --custom-loss-function-path
+logitless.integrations.slime.policy_loss`` runs: slime's ``loss_function`` calls
 ``policy_loss(args, batch, logits, sum_of_sample_mean)`` where its own ``policy_loss_function``
 would run, then scales the loss for Megatron's schedule as it does for its own. ``logits`` is
-what the model returned: the hidden states of :func:`~.model.output_processor`. The head runs
-as the output layer's forward (its forward pre-hooks fire: the distributed optimizer's
+what the model returned: the hidden states of :func:`output_processor`. The head runs as the
+output layer's forward (its forward pre-hooks fire: the distributed optimizer's
 ``overlap_param_gather``) through the megatron integration's :class:`~..megatron.batch.Batch`,
 and the loss is logitless's fused loss (:func:`logitless.fused_policy_loss`) with slime's
 options (:func:`~.config.loss_config`).
@@ -16,20 +26,106 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from ...contract.options import IGNORE_INDEX, HeadOptions
 from .. import seam
 from ..megatron.batch import Batch
-from ..megatron.model import ProcessorStage, agree, megatron_head
+from ..megatron.model import ProcessorStage, agree, megatron_head, takes_output_processor
 from ..seam import ContextParallel, LossInputs
-from .config import POLICY_LOSS, loss_config, mismatch_active
+from .config import MODEL_PROVIDER, POLICY_LOSS, loss_config, mismatch_active
 from .layout import Responses, responses
-from .model import HeadStage, head_stage
 
-__all__ = ["policy_loss"]
+__all__ = ["HeadStage", "head_stage", "output_processor", "policy_loss", "with_head"]
+
+_ATTRIBUTE = "_logitless_slime_head"
+
+
+@dataclass(frozen=True)
+class HeadStage:
+    """What the loss needs of the head that ``GPTModel.forward`` handed the processor: the
+    output layer (its forward runs the head, so its hooks fire), the weight ``GPTModel`` passes
+    it (the input embedding's when the two are shared, else None), the model's config and the
+    hidden states' own dtype (the processor hands them on in fp32)."""
+
+    output_layer: nn.Module
+    output_weight: torch.Tensor | None
+    config: Any
+    dtype: torch.dtype
+
+
+def with_head(model: nn.Module) -> nn.Module:
+    """``model`` (a ``GPTModel`` of megatron-core 0.19 or later, or a subclass) whose forward
+    passes :func:`output_processor` unless its caller passes one: an instance-level
+    ``forward``, nothing else changed (its parameters, their names, its class). A pipeline
+    stage without the output layer is returned as it is."""
+    if not getattr(model, "post_process", True):
+        return model
+    cls = type(model)
+    if not takes_output_processor(cls):
+        raise ValueError(
+            f"--custom-model-provider-path {MODEL_PROVIDER}: slime built a {cls.__name__} "
+            "whose forward takes no output_processor (megatron-core 0.19 or later's "
+            "GPTModel.forward does); logitless needs it to hand the loss the hidden states"
+        )
+    forward = cls.forward
+
+    def forward_with_head(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("output_processor", output_processor)
+        return forward(model, *args, **kwargs)
+
+    model.forward = forward_with_head
+    return model
+
+
+def output_processor(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: nn.Module,
+    output_weight: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    runtime_gather_output: bool | None = None,
+    scale_logits: Any = None,
+    compute_language_model_loss: Any = None,
+    config: Any = None,
+    **_: Any,
+) -> torch.Tensor:
+    """What ``GPTModel.forward`` returns for slime: with gradients and a vocabulary head, the
+    hidden states ``[S, B, H]`` in fp32 carrying their :class:`HeadStage`; otherwise what
+    ``GPTModel`` itself returns after its output layer (the logits ``[B, S, V/tp]``, scaled,
+    or the language-model loss when given labels)."""
+    if torch.is_grad_enabled() and hasattr(output_layer, "output_size_per_partition"):
+        out = hidden_states if hidden_states.dtype == torch.float32 else hidden_states.float()
+        stage = HeadStage(output_layer, output_weight, config, hidden_states.dtype)
+        setattr(out, _ATTRIBUTE, stage)
+        return out
+    logits, _ = output_layer(
+        hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
+    )
+    if scale_logits is not None:
+        logits = scale_logits(logits)
+    if labels is not None:
+        return compute_language_model_loss(labels, logits)
+    return logits.transpose(0, 1).contiguous()
+
+
+def head_stage(output: object) -> HeadStage:
+    """The :class:`HeadStage` of what the model returned; ``ValueError`` when it is not the
+    hidden states :func:`output_processor` handed on (slime's logits: the model was built
+    without :func:`model_provider`)."""
+    stage = getattr(output, _ATTRIBUTE, None)
+    if not isinstance(stage, HeadStage):
+        got = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(
+            f"logitless's slime loss needs the hidden states its model provider hands on, got "
+            f"{got} (slime's logits?): pass --custom-model-provider-path {MODEL_PROVIDER} "
+            "with --custom-loss-function-path"
+        )
+    return stage
 
 
 def policy_loss(
