@@ -82,34 +82,25 @@ def with_head(model: nn.Module) -> nn.Module:
     return model
 
 
-def output_processor(
-    *,
-    hidden_states: torch.Tensor,
-    output_layer: nn.Module,
-    output_weight: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    runtime_gather_output: bool | None = None,
-    scale_logits: Any = None,
-    compute_language_model_loss: Any = None,
-    config: Any = None,
-    **_: Any,
-) -> torch.Tensor:
+def output_processor(*, hidden_states: torch.Tensor, output_layer: nn.Module,
+                     output_weight: torch.Tensor | None = None,
+                     **given: Any) -> torch.Tensor:  # fmt: skip
     """What ``GPTModel.forward`` returns for slime: with gradients and a vocabulary head, the
     hidden states ``[S, B, H]`` in fp32 carrying their :class:`HeadStage`; otherwise what
     ``GPTModel`` itself returns after its output layer (the logits ``[B, S, V/tp]``, scaled,
-    or the language-model loss when given labels)."""
+    or the language-model loss when given labels). ``given``: the other arguments
+    ``GPTModel.forward`` hands a processor (``config``, ``labels``, ``scale_logits``, ...)."""
     if torch.is_grad_enabled() and hasattr(output_layer, "output_size_per_partition"):
         out = hidden_states if hidden_states.dtype == torch.float32 else hidden_states.float()
-        stage = HeadStage(output_layer, output_weight, config, hidden_states.dtype)
+        stage = HeadStage(output_layer, output_weight, given.get("config"), hidden_states.dtype)
         setattr(out, _ATTRIBUTE, stage)
         return out
-    logits, _ = output_layer(
-        hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
-    )
-    if scale_logits is not None:
-        logits = scale_logits(logits)
-    if labels is not None:
-        return compute_language_model_loss(labels, logits)
+    gather = given.get("runtime_gather_output")
+    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=gather)
+    if given.get("scale_logits") is not None:
+        logits = given["scale_logits"](logits)
+    if given.get("labels") is not None:
+        return given["compute_language_model_loss"](given["labels"], logits)
     return logits.transpose(0, 1).contiguous()
 
 
