@@ -206,9 +206,7 @@ def gpt_model(
     its model chunk ``vp_stage`` (of ``vpp`` per pipeline rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     config = TransformerConfig(
         num_layers=layers,
@@ -226,6 +224,30 @@ def gpt_model(
         virtual_pipeline_model_parallel_size=vpp,
         **config,
     )
+    spec = block_spec(layers // (pp * (vpp or 1)))
+    torch.manual_seed(seed)  # use_cpu_initialization: the master weight, then this rank's part
+    with _cuda_is_cpu():  # a tied last stage's word embedding: .cuda() before its all-reduce
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=vocab,
+            max_sequence_length=256,
+            parallel_output=True,
+            share_embeddings_and_output_weights=tied,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            **({} if vp_stage is None else {"vp_stage": vp_stage}),
+        )
+    perturb_norms(model)
+    return model
+
+
+def block_spec(layers: int):
+    """The local layer spec for ``layers`` layers (this pipeline stage's), with the plain
+    ``LayerNorm`` and the token-local attention of the module docstring."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
     layer = get_gpt_layer_local_spec()
     sub = layer.submodules
     attention = dataclasses.replace(
@@ -240,24 +262,12 @@ def gpt_model(
             sub, input_layernorm=_Norm, pre_mlp_layernorm=_Norm, self_attention=attention
         ),
     )
-    spec = TransformerBlockSubmodules(
-        layer_specs=[layer] * (layers // (pp * (vpp or 1))), layer_norm=_Norm
-    )
-    torch.manual_seed(seed)  # use_cpu_initialization: the master weight, then this rank's part
-    with _cuda_is_cpu():  # a tied last stage's word embedding: .cuda() before its all-reduce
-        model = GPTModel(
-            config,
-            spec,
-            vocab_size=vocab,
-            max_sequence_length=256,
-            parallel_output=True,
-            share_embeddings_and_output_weights=tied,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            **({} if vp_stage is None else {"vp_stage": vp_stage}),
-        )
-    with torch.no_grad():  # layer norms away from the identity, so their gradients are tested
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_Norm)
+
+
+def perturb_norms(model) -> None:
+    """Layer norms away from the identity, so their gradients are tested."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
-    return model

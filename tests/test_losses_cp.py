@@ -252,6 +252,23 @@ CASES = {
         "adv_seq",
         FULL,
     ),
+    "gspo_mean_token_adv_tis_opsm": (
+        "packed",
+        PolicyLossConfig(
+            ratio_level="sequence_mean",
+            aggregation="seq_mean_token_mean",
+            mismatch_is="token",
+            opsm_delta=0.0,
+        ),
+        "adv_tok",
+        FULL,
+    ),
+    "sparse_gspo_mean": (
+        "sparse",
+        PolicyLossConfig(ratio_level="sequence_mean", kl_coef=0.1, clip_high=0.28),
+        "adv_tok",
+        FULL,
+    ),
     "sparse_token_mean_seq_tis": (
         "sparse",
         PolicyLossConfig(mismatch_is="sequence", entropy_coef=0.02),

@@ -902,6 +902,8 @@ def test_mismatch_is_floor_hand_worked(level):
         ({"mismatch_is": "token", "mismatch_is_floor": 3.0}, "mismatch_is_floor"),  # >= cap
         ({"mismatch_is": "token", "mismatch_is_floor": -1.0}, "mismatch_is_floor"),
         ({"mismatch_is": "token", "mismatch_is_floor": math.nan}, "mismatch_is_floor"),
+        ({"opsm_delta": math.inf}, "opsm_delta"),
+        ({"opsm_delta": "0.1"}, "opsm_delta"),
     ],
 )
 def test_new_options_validate(kwargs, field):
@@ -957,6 +959,15 @@ NEW_OPTION_CONFIGS = {
         mismatch_is_cap=1.5,
         mismatch_is_floor=0.9,
     ),
+    "opsm_dual_clip": PolicyLossConfig(
+        opsm_delta=0.02, dual_clip=3.0, clip_high=0.28, aggregation="seq_mean_token_mean"
+    ),
+    "opsm_gspo_tis": PolicyLossConfig(
+        ratio_level="sequence", opsm_delta=-0.01, mismatch_is="token", mismatch_is_floor=0.5
+    ),
+    "gspo_mean_tis_dual_clip": PolicyLossConfig(
+        ratio_level="sequence_mean", mismatch_is="token", dual_clip=2.0, clip_high=0.1
+    ),
 }
 
 
@@ -968,8 +979,9 @@ def test_new_options_fused_equals_composed(name):
     import logitless
 
     cfg = NEW_OPTION_CONFIGS[name]
-    # the new options keep a token-level loss token-local (one fused pass)
-    assert cfg.is_token_local == (cfg.ratio_level == "token")
+    # the new options keep a token-level loss token-local (one fused pass); OPSM reads each
+    # document's mean log-ratio first
+    assert cfg.is_token_local == (cfg.ratio_level == "token" and cfg.opsm_delta is None)
     g = torch.Generator().manual_seed(5)
     B, T, H, V = 3, 7, 8, 37
     hidden = torch.randn(B, T, H, generator=g, dtype=D)
@@ -1016,3 +1028,69 @@ def test_new_options_fused_equals_composed(name):
         total = total + part.detach()
     assert_close(total, fused.detach(), rtol=1e-6, atol=1e-8)
     assert_close(w3.grad, w1.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_opsm_hand_worked():
+    """Off-policy sequence masking (DeepSeek-V3.2): document 0 drifted (mean log old/θ = 0.3 >
+    δ = 0.1), document 1 did not (0.05); in document 0 only the tokens with A < 0 leave the
+    policy term (their gradient is 0), masked tokens keep their place in the denominators."""
+    lp = torch.full((2, 3), -1.0, dtype=D, requires_grad=True)
+    old = lp.detach() + torch.tensor([[0.2, 0.4, 0.3], [0.05, 0.05, 0.05]], dtype=D)
+    adv = torch.tensor([[1.0, -2.0, -1.0], [-1.0, 2.0, -3.0]], dtype=D)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    cfg = PolicyLossConfig(surrogate="reinforce", aggregation="seq_mean_token_mean", opsm_delta=0.1)
+    loss, m = policy_loss(lp, old, adv, mask, config=cfg)
+    (grad,) = torch.autograd.grad(loss, lp)
+    # reinforce: d/dlp (-A r) = -A r, r = exp(lp - old); weights 1 / (3 tokens * 2 documents)
+    r = (lp.detach() - old).exp()
+    keep = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=D)
+    assert_close(grad, -adv * r * keep / 6)
+    assert_close(m["opsm_masked_frac"], torch.tensor(2 / 6, dtype=D))
+    assert_close(m["log_ratio_mean"], (lp.detach() - old).mean())
+    assert not cfg.is_token_local and PolicyLossConfig(opsm_delta=None).is_token_local
+
+
+@pytest.mark.parametrize("per_token_factor", [False, True])
+def test_sequence_mean_is_the_gspo_objective_through_the_mean(per_token_factor):
+    """ratio_level="sequence_mean" is GSPO's sequence objective with s_d = exp(mean_t log r_t)
+    differentiated through the mean (slime's gspo): per token L_t = max(-s_d A_t,
+    -clip(s_d) A_t) · w_t (w_t: a truncated IS weight), aggregated per sequence. With per-token
+    advantages (or IS weights) its gradient differs from GSPO-token's ("sequence"); with one
+    advantage per sequence and no factor, they agree."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 3, 6
+    lp = (-torch.rand(B, T, generator=g, dtype=D) * 2).requires_grad_()
+    old = lp.detach() + 0.1 * torch.randn(B, T, generator=g, dtype=D)
+    rollout = old + 0.3 * torch.randn(B, T, generator=g, dtype=D)
+    adv = (
+        torch.randn(B, T, generator=g, dtype=D)
+        if per_token_factor
+        else torch.randn(B, 1, generator=g, dtype=D).expand(B, T)
+    )
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :2] = False
+    extra = dict(mismatch_is="token", mismatch_is_cap=1.2) if per_token_factor else {}
+    cfg = PolicyLossConfig(ratio_level="sequence_mean", aggregation="seq_mean_token_mean",
+                           clip_low=0.05, clip_high=0.05, **extra)  # fmt: skip
+    kw = dict(rollout_logprobs=rollout) if per_token_factor else {}
+    loss, _ = policy_loss(lp, old, adv, mask, config=cfg, **kw)
+    (grad,) = torch.autograd.grad(loss, lp)
+    # the objective, written out
+    m = mask.to(D)
+    log_s = ((lp - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+    s = log_s.exp()
+    per_token = torch.maximum(-s * adv, -s.clamp(0.95, 1.05) * adv)
+    if per_token_factor:
+        per_token = per_token * (old - rollout).exp().clamp(max=1.2)
+    truth = ((per_token * m).sum(-1) / m.sum(-1)).mean()
+    (truth_grad,) = torch.autograd.grad(truth, lp)
+    assert_close(loss, truth)
+    assert_close(grad, truth_grad)
+    token_form = replace(cfg, ratio_level="sequence")
+    (token_grad,) = torch.autograd.grad(
+        policy_loss(lp, old, adv, mask, config=token_form, **kw)[0], lp
+    )
+    if per_token_factor:
+        assert not torch.allclose(token_grad, truth_grad)
+    else:
+        assert_close(token_grad, truth_grad)

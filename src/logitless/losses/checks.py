@@ -185,9 +185,10 @@ def _check_tensors(a: LossArgs, grouped: bool, for_stats: bool) -> torch.Size:
     if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.shape != shape:
         got = fmt_shape(m) + f" {m.dtype}" if isinstance(m, torch.Tensor) else repr(m)
         raise ValueError(f"mask must be a bool tensor of shape {list(shape)}, got {got}")
-    if grouped and config.kl_importance_weight and config.ratio_level == "sequence":
+    if grouped and config.kl_importance_weight and config.ratio_level != "token":
         raise ValueError(
-            "kl_importance_weight=True with ratio_level='sequence' is not supported with a "
+            f"kl_importance_weight=True with ratio_level={config.ratio_level!r} is not "
+            "supported with a "
             "context_group: the gradient of a document's ratio couples the KL of tokens on "
             "other ranks"
         )

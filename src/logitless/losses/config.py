@@ -17,7 +17,7 @@ from .surrogates import SURROGATES as _SURROGATES
 
 # The accepted names, read off the implementations (one registry each).
 SURROGATES = tuple(_SURROGATES)
-RATIO_LEVELS = ("token", "sequence")
+RATIO_LEVELS = ("token", "sequence", "sequence_mean")
 AGGREGATIONS = tuple(_AGGREGATIONS)
 KL_ESTIMATORS = tuple(_KL_ESTIMATORS)
 MISMATCH_IS = (None, "token", "sequence")
@@ -78,8 +78,15 @@ class PolicyLossConfig:
         sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for ``A > 0`` / ``A <= 0``.
         dppo_ratio_cap: DPPO truncates the (stop-gradient) ratio at this value.
     Ratio
-        ratio_level: ``"token"`` or ``"sequence"`` (GSPO: the geometric mean of the token
-            ratios of each document, carried by every token of it).
+        ratio_level: ``"token"``, ``"sequence"`` or ``"sequence_mean"``. Both sequence levels
+            are GSPO's: every token of a document carries the geometric mean ``s_d`` of its
+            token ratios. ``"sequence"`` is GSPO-token's gradient, each token's through its own
+            log-prob (``sg(s_d) · π/sg(π)``); ``"sequence_mean"`` differentiates ``s_d``
+            through the mean, so a token's gradient is ``1/n_d`` of the sum over its document's
+            tokens of their loss's derivative in ``log s_d`` (slime's GSPO; under context
+            parallelism one all-reduce of ``[D]`` in backward). The two agree when the advantage
+            and every factor of the policy term (IS weights, masks) are constant over each
+            document.
     Aggregation
         aggregation: ``"token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
             "seq_mean_token_sum_norm" | "token_sum"``.
@@ -93,7 +100,7 @@ class PolicyLossConfig:
             k3/k3+ (``None``: no clamp).
         kl_value_clamp: k3/k3+ values are clamped to ``[-c, c]`` (``None``: no clamp).
         kl_importance_weight: multiply each token's KL by the importance ratio ``r_t``
-            (``s_d``, the sequence ratio, at ``ratio_level="sequence"``), *with* its gradient:
+            (``s_d``, the sequence ratio, at a sequence ``ratio_level``), *with* its gradient:
             ``r · KL`` estimates KL(π_θ ‖ π_ref) from samples of π_old, and its gradient is the
             unbiased reverse-KL gradient (DeepSeek-V3.2's unbiased KL estimate; TRL's
             ``use_bias_correction_kl``). It changes the gradient even where ``r = 1``.
@@ -131,6 +138,9 @@ class PolicyLossConfig:
             document; documents outside ``ratio_seq_mask_range`` are dropped from the policy
             term (prime-rl's sequence masks), or ``None``.
         ratio_seq_mask_range: ``(low, high)`` for ``ratio_seq_mask``.
+        opsm_delta: off-policy sequence masking (DeepSeek-V3.2): the tokens with ``A < 0`` of
+            a document whose mean ``log π_old − log π_θ`` over its valid tokens exceeds
+            ``δ`` leave the policy term (stop-gradient), or ``None``.
     """
 
     surrogate: str = "ppo_clip"
@@ -163,6 +173,7 @@ class PolicyLossConfig:
     distill_coef: float = 0.0
     distill_beta: float = 0.0
     distill_aggregation: str | None = None
+    opsm_delta: float | None = None
 
     def __post_init__(self) -> None:
         _choice("surrogate", self.surrogate, SURROGATES)
@@ -183,9 +194,10 @@ class PolicyLossConfig:
         _number("sapo_tau_pos", self.sapo_tau_pos, minimum=0.0, strict=True)
         _number("sapo_tau_neg", self.sapo_tau_neg, minimum=0.0, strict=True)
         _number("dppo_ratio_cap", self.dppo_ratio_cap, minimum=0.0, strict=True)
-        if self.ratio_level == "sequence" and _SURROGATES[self.surrogate].token_only:
+        if self.ratio_level != "token" and _SURROGATES[self.surrogate].token_only:
             raise ValueError(
-                f"ratio_level='sequence' is not defined for surrogate={self.surrogate!r} "
+                f"ratio_level={self.ratio_level!r} is not defined for surrogate="
+                f"{self.surrogate!r} "
                 f"(it builds its own ratio); use ratio_level='token'"
             )
         if self.norm_length is not None and (
@@ -227,6 +239,8 @@ class PolicyLossConfig:
         if self.ratio_token_mask is not None:
             _band("ratio_token_mask", self.ratio_token_mask)
         _band("ratio_seq_mask_range", self.ratio_seq_mask_range)
+        if self.opsm_delta is not None:
+            _number("opsm_delta", self.opsm_delta)
         # JSON has no tuples: a band read back as a list is stored as the tuple it was.
         for name in _BANDS:
             value = getattr(self, name)
@@ -238,8 +252,13 @@ class PolicyLossConfig:
 
     @property
     def sums_log_ratio(self) -> bool:
-        """Needs each document's sum of ``log π_θ − log π_old`` (GSPO ratio, ratio_seq_mask)."""
-        return self.ratio_level == "sequence" or self.ratio_seq_mask is not None
+        """Needs each document's sum of ``log π_θ − log π_old`` (GSPO ratio, ratio_seq_mask,
+        opsm_delta)."""
+        return (
+            self.ratio_level != "token"
+            or self.ratio_seq_mask is not None
+            or self.opsm_delta is not None
+        )
 
     @property
     def sums_clipped_log_ratio(self) -> bool:

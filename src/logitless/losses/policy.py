@@ -16,7 +16,7 @@ from .config import PolicyLossConfig
 from .kl import kl_k3
 from .metrics import extreme, finish_metrics, weighted_mean
 from .normalizer import LossNormalizer
-from .ratio import sequence_log_ratio_from_mean, token_log_ratio
+from .ratio import sequence_log_ratio_from_mean, sequence_mean_log_ratio, token_log_ratio
 from .stats import compute_document_stats
 from .surrogates import MAX_LOG_RATIO, SURROGATES, Surrogate
 from .terms import TERMS
@@ -101,10 +101,11 @@ def policy_loss(
     Returns:
         ``loss``: 0-dim fp32 (or the inputs' float dtype) tensor, times
         ``normalizer.loss_scale``. ``metrics``: dict of detached 0-dim tensors, unscaled. Means
-        (``loss``, ``pg_loss``, ``clip_frac_*``, ``ratio_mean``, ``approx_kl``, ``kl_ref``,
-        ``entropy``, ``distill_divergence``, ``mismatch_kl``, ``is_weight_mean``,
-        ``is_masked_frac``,
-        ``ratio_masked_frac``) are weighted like the loss and add up over micro-batches;
+        (``loss``, ``pg_loss``, ``clip_frac_*``, ``ratio_mean``, ``log_ratio_mean`` (the
+        log-ratio the surrogate used: per token, or GSPO's document mean), ``approx_kl``,
+        ``kl_ref``, ``entropy``, ``distill_divergence``, ``mismatch_kl``, ``is_weight_mean``,
+        ``is_masked_frac``, ``ratio_masked_frac``, ``opsm_masked_frac``) are weighted like the
+        loss and add up over micro-batches;
         ``ratio_min/max`` and ``is_weight_min/max`` are extremes; ``num_tokens`` /
         ``num_sequences`` count the call's valid tokens and documents. With
         ``context_group`` every metric covers the whole group's stream (the same value on every
@@ -133,6 +134,11 @@ def _surrogate(t: LossTokens) -> tuple[Surrogate, torch.Tensor]:
     token_lr = token_log_ratio(t.lp, t.old)  # [N]
     if c.ratio_level == "sequence":
         log_ratio = sequence_log_ratio_from_mean(t.lp, t.doc_mean(t.stats.log_ratio))  # GSPO
+    elif c.ratio_level == "sequence_mean":  # GSPO, differentiated through the mean
+        doc_total = t.per_doc(t.stats.log_ratio)
+        log_ratio = sequence_mean_log_ratio(
+            token_lr, t.valid, t.call.seg, doc_total, t.n_doc, t.call.group
+        )
     else:
         log_ratio = token_lr
     gmpo_mean = t.doc_mean(t.stats.clipped_log_ratio) if c.sums_clipped_log_ratio else None
@@ -150,6 +156,7 @@ def _surrogate_metrics(t: LossTokens, sur: Surrogate, log_ratio: torch.Tensor) -
     if sur.clipped_dual is not None:
         out["clip_frac_dual"] = weighted_mean(sur.clipped_dual.to(dtype), mw)
     out["ratio_mean"] = weighted_mean(ratio, mw)
+    out["log_ratio_mean"] = weighted_mean(log_ratio.detach(), mw)
     out["ratio_min"] = extreme(ratio, t.valid, largest=False)
     out["ratio_max"] = extreme(ratio, t.valid, largest=True)
     # KL(π_old ‖ π_θ) from samples of π_old, k3 with r = π_θ/π_old (Schulman 2020)

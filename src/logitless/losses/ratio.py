@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import collectives
 from ._segments import Segments, gather, of_ids, segment_mean, sum_per_document
 
 __all__ = ["sequence_log_ratio", "sequence_mean_log_ratio", "token_log_ratio"]
@@ -56,6 +57,7 @@ def sequence_mean_log_ratio(
     segments: Segments,
     doc_total: torch.Tensor,
     doc_tokens: torch.Tensor,
+    group: object | None = None,
 ) -> torch.Tensor:
     """Each token's document mean ``mean_{t in d} log r_t``, with the mean's own gradient.  [N]
 
@@ -63,8 +65,16 @@ def sequence_mean_log_ratio(
     valid token of the document gets ``1 / n_d`` of the gradient: this is
     ``log s_d`` as a function of all the document's log-probs. The value is
     ``doc_total / doc_tokens`` (``[D]`` constants, e.g. summed over a context-parallel group);
-    the gradient flows through this call's tokens of ``token_log_ratio``.
+    the gradient flows through this call's tokens of ``token_log_ratio``. ``group``: the
+    context-parallel group the documents are split over: the gradient of each document's mean
+    is summed over it in backward (one all-reduce of ``[D]``, on every rank), so a token gets
+    the whole document's share, wherever the document's other tokens are; without it, only
+    this call's tokens' share.
     """
     local = sum_per_document(torch.where(valid, token_log_ratio, 0.0), segments)  # [D]
     mean = (doc_total.detach() + local - local.detach()) / doc_tokens.clamp(min=1.0)  # [D]
+    if group is not None and mean.requires_grad:
+        # every rank's share of the loss reaches each document's mean through every rank's
+        # tokens: the gradient of the mean is their sum
+        mean.register_hook(lambda grad: collectives.all_reduce(grad, group, "sum"))
     return gather(mean, segments)  # [N]

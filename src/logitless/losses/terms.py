@@ -66,6 +66,19 @@ def ratio_masks(t: LossTokens) -> Term | None:
     return Term({"ratio_masked_frac": weighted_mean(1.0 - keep, t.mweights)}, factor=keep)
 
 
+def off_policy_sequence_mask(t: LossTokens) -> Term | None:
+    """Off-policy sequence masking (DeepSeek-AI 2025, "DeepSeek-V3.2", Sec. 3.1, OPSM):
+    ``M_t = 0`` where ``A_t < 0`` and the token's document has
+    ``mean_{t' in d} (log π_old − log π_θ) > opsm_delta``, else 1 (stop-gradient); masked
+    tokens leave the policy term and keep their place in the denominators."""
+    delta = t.config.opsm_delta
+    if delta is None:
+        return None
+    drift = -t.doc_mean(t.stats.log_ratio)  # [N], each token's document mean of log old/θ
+    masked = ((t.adv < 0) & (drift > delta)).to(t.dtype)  # [N]
+    return Term({"opsm_masked_frac": weighted_mean(masked, t.mweights)}, factor=1.0 - masked)
+
+
 def mismatch_correction(t: LossTokens) -> Term | None:
     """Train/inference mismatch against the rollout engine (``ρ = π_old / π_rollout``):
     truncated importance sampling and masks (see :mod:`.mismatch`)."""
@@ -113,7 +126,7 @@ def kl_to_reference(t: LossTokens) -> Term | None:
     kl = kl_penalty(t.lp, ref, c.kl_estimator, c.kl_log_ratio_clamp, c.kl_value_clamp)  # [N]
     if c.kl_importance_weight:
         token_lr = token_log_ratio(t.lp, t.old)
-        if c.ratio_level == "sequence":  # s_d, differentiable in all its tokens
+        if c.ratio_level != "token":  # s_d, differentiable in all its tokens
             log_ratio = sequence_mean_log_ratio(
                 token_lr, t.valid, t.call.seg, t.per_doc(t.stats.log_ratio), t.n_doc
             )
@@ -163,6 +176,7 @@ def distillation(t: LossTokens) -> Term | None:
 #: The terms, in the order they apply (factors multiply the surrogate in this order).
 TERMS: dict[str, Callable[[LossTokens], Term | None]] = {
     "ratio_masks": ratio_masks,
+    "opsm": off_policy_sequence_mask,
     "mismatch": mismatch_correction,
     "kl": kl_to_reference,
     "entropy": entropy_bonus,
