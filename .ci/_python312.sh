@@ -35,3 +35,12 @@ venv312() {  # venv312 DIR: make DIR a 3.12 venv layered over $BASE312 (both mad
     [ -x "$dir/bin/python" ] || "$py" -m venv "$dir"
     _site_packages "$(cd "$BASE312" && pwd -P)" >"$(_site_packages "$dir")/_logitless_py312_base.pth"
 }
+
+have_peer() {  # have_peer NAME: whether ../shared/peers/NAME (a vendored trainer) is there.
+    # Its suite runs against that source: where it is missing, CI fails (CI=true: the folder is
+    # part of CI's checkout) and a user's clone skips the suite with this note.
+    [ -d "../shared/peers/$1" ] && return 0
+    echo "../shared/peers/$1 is missing: its suite runs against that trainer's source" >&2
+    [ "${CI:-}" = true ] && exit 1
+    return 1
+}

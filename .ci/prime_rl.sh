@@ -23,6 +23,6 @@ if [ "${1:-all}" != test ]; then
         'pytest>=7' numpy
     "$VENV/bin/pip" install -q --no-deps -e .
 fi
-if [ "${1:-all}" != install ]; then
+if [ "${1:-all}" != install ] && have_peer prime-rl; then
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/prime_rl
 fi
