@@ -172,10 +172,14 @@ def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
     return z if cap is None else torch.tanh(z / cap) * cap
 
 
-def kwargs_for(case: Case, b: Batch, logitless: bool, dtype: torch.dtype, rows=None) -> dict:
+def kwargs_for(
+    case: Case, b: Batch, logitless: bool, dtype: torch.dtype, rows=None, seq=None
+) -> dict:
     """A fresh copy of the batch's kwargs for one run, with the teacher as Fast-LLM's head hands
-    it: logits (Fast-LLM's student) or hidden states and weight (a logitless student, from a
-    teacher head with ``teacher_hidden_states``). ``rows``: this rank's vocabulary rows."""
+    it: logits (Fast-LLM's student; all tokens under vocabulary parallelism) or hidden states and
+    weight (a logitless student, from a teacher head with ``teacher_hidden_states``: its input,
+    this rank's sequence shard ``seq`` under sequence parallelism). ``rows``: this rank's
+    vocabulary rows."""
     from logitless.integrations.fast_llm import TeacherOutput
 
     kw = dict(b.kwargs)
@@ -183,7 +187,8 @@ def kwargs_for(case: Case, b: Batch, logitless: bool, dtype: torch.dtype, rows=N
         t_hidden, t_weight = b.teacher
         if logitless:
             w = t_weight if rows is None else t_weight[rows]
-            out = TeacherOutput(t_hidden.to(dtype), w.to(dtype), case.teacher_softcap)
+            h = t_hidden if seq is None else t_hidden[seq]
+            out = TeacherOutput(h.to(dtype), w.to(dtype), case.teacher_softcap)
         else:
             logits = _softcap(t_hidden.to(dtype) @ t_weight.to(dtype).T, case.teacher_softcap)
             out = logits if rows is None else logits[:, rows]
@@ -195,7 +200,7 @@ def run(built: Built, case: Case, b: Batch, logitless: bool, dtype, rows=None, s
     """Every head forward and backward through its ``Stage`` (the MTP heads first get the
     stacked input they get from the model), the results: loss, input gradient, norm and weight
     gradients, registered losses (summed over the list Fast-LLM keeps per name)."""
-    kw = kwargs_for(case, b, logitless, dtype, rows)
+    kw = kwargs_for(case, b, logitless, dtype, rows, seq)
     x = b.x if seq is None else b.x[seq]
     for k, head in enumerate(built.heads):
         head.output_weights.data.copy_(b.weight[k] if rows is None else b.weight[k][rows])

@@ -135,6 +135,28 @@ def test_refused_when_the_config_is_validated(head, match):
         LogitlessHeadConfig.from_dict({"normalization": {"type": "rms_norm"}, **head})
 
 
+@pytest.mark.parametrize(
+    ("distributed", "vocab_parallel", "match"),
+    [
+        ({"sequence_data_parallel": 2}, True, "sequence_data_parallel=1"),
+        ({"tensor_parallel": 2, "sequence_tensor_parallel": True}, False, "vocab_parallel=true"),
+    ],
+    ids=["sequence-data-parallel", "sequence-parallel-without-vocab-split"],
+)
+def test_gspo_refused_when_documents_are_split(distributed, vocab_parallel, match):
+    """Refused when the model is built from its config (the head's constructor reads only the
+    distributed config: no process group exists yet)."""
+    case = Case("gspo", {"gspo": {"type": "gspo"}})
+    dist = {"world_size": 2, "local_world_size": 2, "rank": 0, **distributed}
+    config = model_config(case, True, torch.float32, dist)
+    if not vocab_parallel:
+        config = type(config).from_dict(
+            config.to_dict(), {("base_model", "embeddings", "vocab_parallel"): False}
+        )
+    with pytest.raises(ValueError, match=match):
+        config.get_base_model_config_class().get_base_model(config.base_model, config.distributed)
+
+
 def test_bad_batch_is_refused_before_the_backbone():
     """A label outside the vocabulary: ``preprocess`` (before Fast-LLM's forward) raises."""
     case = Case("bad", {"grpo": GRPO})

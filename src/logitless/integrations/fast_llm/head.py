@@ -41,7 +41,7 @@ from ...contract.vocab import VocabParallel
 from ...transform import compute_dtype
 from .. import seam
 from .config import LogitlessHeadConfig
-from .losses import HeadParts, TeacherOutput, prepare_loss, run_loss
+from .losses import HeadParts, TeacherOutput, kind_of, prepare_loss, run_loss
 
 __all__ = ["LogitlessHead", "LogitlessMultiTokenPrediction"]
 
@@ -61,6 +61,7 @@ class LogitlessHead(LanguageModelHead[ConfigType]):
         # whole micro-batch (cross_entropy_splits changes nothing but Fast-LLM's chunking).
         for loss in self.losses:
             loss._num_splits = 1
+            _check_documents(loss)
         self._vp: VocabParallel | None = None
 
     # --- phase 1: before the backbone ---------------------------------------------------
@@ -189,6 +190,26 @@ class LogitlessHead(LanguageModelHead[ConfigType]):
         )  # fmt: skip
         kwargs[BlockKwargs.hidden_states][name] = (None, out)
         return True
+
+
+def _check_documents(loss) -> None:
+    """GSPO's documents must be whole on each rank: Fast-LLM all-reduces their sums over its
+    sequence-data and sequence-parallel groups, which logitless's context-parallel statistics
+    cannot take (they need a ``torch.distributed`` process group; Fast-LLM's are standalone)."""
+    if kind_of(loss) != "gspo":
+        return
+    if loss._sequence_data_active:
+        raise ValueError(
+            f"head.losses.{loss.name} (gspo) with head type logitless needs "
+            "distributed.sequence_data_parallel=1 (a document's ratio would need sums across "
+            f"the sequence-data ranks), got {loss._sequence_data_dim.size}"
+        )
+    if loss._sequence_parallel:
+        raise ValueError(
+            f"head.losses.{loss.name} (gspo) with head type logitless and "
+            "distributed.sequence_tensor_parallel=true needs embeddings.vocab_parallel=true "
+            "(each rank would score part of a document), got vocab_parallel=false"
+        )
 
 
 def _as(hidden: torch.Tensor, batch_shape: torch.Size) -> torch.Tensor:
