@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# tests/fast_llm/ (head type logitless in Fast-LLM) in a venv of its own (.venv-fastllm): Fast-LLM
-# needs Python 3.12 and is not on PyPI; its source is the vendored peer ../shared/peers/fast-llm
-# (put on sys.path by tests/fast_llm/conftest.py, read-only). The venv adds only what Fast-LLM's
-# head, losses, Stage and command line import (PyYAML, requests); torch 2.13 comes from the
-# shared 3.12 layer (.ci/_python312.sh). Fast-LLM's Triton kernels and its torch.compile'd
-# losses are not used on this CPU (see the conftest).
+# tests/fast_llm_backend/ (head type logitless in Fast-LLM) in a venv of its own
+# (.venv-fastllm): Fast-LLM needs Python 3.12 and is not on PyPI; its source is the vendored peer
+# ../shared/peers/fast-llm (put on sys.path by tests/fast_llm_backend/conftest.py, read-only).
+# The venv adds only what Fast-LLM's head, losses, Stage and command line import (PyYAML,
+# requests); torch 2.13 comes from the shared 3.12 layer (.ci/_python312.sh). Fast-LLM's Triton
+# kernels and its torch.compile'd losses are not used on this CPU (see the conftest).
 #
 # `bash .ci/fast_llm.sh install` only builds the venv, `bash .ci/fast_llm.sh test` only runs the
 # tests (.ci/test.sh builds while the main suite runs); no argument does both.
@@ -23,5 +23,5 @@ fi
 if [ "${1:-all}" != install ]; then
     # CI has the peers: their absence there is a failure, not a skip
     [ -d ../shared/peers/fast-llm ] || { echo "../shared/peers/fast-llm is missing" >&2; exit 1; }
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/fast_llm
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/fast_llm_backend
 fi

@@ -15,7 +15,7 @@ the same parameters (each rank holding its vocabulary shard, or its sequence sha
   own tokens with the whole weight; Fast-LLM all-reduces the head's loss): the label loss.
 
 The parent compares each rank's results with a single-process float64 truth
-(tests/fast_llm/_fast_llm.py), within 4x Fast-LLM's own error (tests/_tolerance.py): the
+(tests/fast_llm_backend/_fast_llm.py), within 4x Fast-LLM's own error (tests/_tolerance.py): the
 head's loss and registered losses (the same on both ranks), this rank's input gradient (its
 sequence shard under sequence parallelism), the final norm's weight gradient (summed over the
 ranks where each holds a share) and the output weight's gradient (this rank's vocabulary rows,

@@ -20,31 +20,28 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["TORCHDYNAMO_DISABLE"] = "1"  # inherited by the spawned ranks
-# tests/conftest.py runs Triton's interpreter on CPU for logitless's kernels; Fast-LLM would then
-# run its own Triton kernels in it too (its interpreter workaround fails on Triton 3.7). On a CPU
-# Fast-LLM uses its torch code, as it does outside these tests.
-os.environ.pop("TRITON_INTERPRET", None)
-
 TESTS = Path(__file__).resolve().parents[1]
 PEER = TESTS.parents[0] / ".." / "shared" / "peers" / "fast-llm"
 
-sys.path.insert(0, str(TESTS))
-if PEER.is_dir():
-    sys.path.insert(0, str(PEER.resolve()))
+# Python 3.12 and what Fast-LLM's modules import; the main suite (3.11) collects nothing here
+# and changes nothing below.
+_USABLE = (
+    sys.version_info >= (3, 12)
+    and importlib.util.find_spec("yaml") is not None
+    and importlib.util.find_spec("requests") is not None
+)
+collect_ignore = [] if _USABLE else ["test_fast_llm.py", "test_fast_llm_distributed.py"]
 
+if _USABLE:
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # inherited by the spawned ranks
+    # tests/conftest.py runs Triton's interpreter on CPU for logitless's kernels; Fast-LLM would
+    # then run its own Triton kernels in it too (its interpreter workaround fails on Triton
+    # 3.7). On a CPU Fast-LLM uses its torch code, as it does outside these tests.
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, str(TESTS))
+    if PEER.is_dir():
+        sys.path.insert(0, str(PEER.resolve()))
 
-def _usable() -> bool:
-    return (
-        sys.version_info >= (3, 12)
-        and importlib.util.find_spec("yaml") is not None
-        and importlib.util.find_spec("requests") is not None
-    )
-
-
-collect_ignore = [] if _usable() else ["test_fast_llm.py", "test_fast_llm_distributed.py"]
-
-if _usable():
     import torch._dynamo
 
     torch._dynamo.config.disable = True

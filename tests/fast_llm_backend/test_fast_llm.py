@@ -4,11 +4,12 @@ Each case builds the same model twice from Fast-LLM's config, once with its own 
 (``loss_implementation: per_loss``, which registers the losses one by one as the logitless head
 does) and once with ``type: logitless``, runs the head through Fast-LLM's ``Stage`` forward and
 backward with the same parameters and batch, and compares with a float64 truth
-(tests/fast_llm/_fast_llm.py): the head's loss, each registered loss, the gradients of its input,
-its final norm's weight and its output weight (in Fast-LLM's ``grad_buffer``), with Fast-LLM's
-``grad_output``, within 4x Fast-LLM's own error against the truth (tests/_tolerance.py). The
-metrics Fast-LLM registers (``<loss>_new_logprobs``, the GRPO/GSPO families with ``metrics:
-basic``) come from Fast-LLM's own functions on each side: logitless's must match Fast-LLM's.
+(tests/fast_llm_backend/_fast_llm.py): the head's loss, each registered loss, the gradients of
+its input, its final norm's weight and its output weight (in Fast-LLM's ``grad_buffer``), with
+Fast-LLM's ``grad_output``, within 4x Fast-LLM's own error against the truth
+(tests/_tolerance.py). The metrics Fast-LLM registers (``<loss>_new_logprobs``, the GRPO/GSPO
+families with ``metrics: basic``) come from Fast-LLM's own functions on each side:
+logitless's must match Fast-LLM's.
 
 Also: the switch (the config type, what it builds), the refusals (``ValueError`` naming the
 option, when the config is validated: before any model exists), a bad batch refused before the
