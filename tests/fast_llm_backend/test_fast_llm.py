@@ -242,3 +242,21 @@ def test_fast_llm_command_line(tmp_path):
     bad = _cli(CLI_CONFIG.format(losses="{z: {type: z_loss}}"), tmp_path)
     assert bad.returncode != 0
     assert "head.losses.z: loss type 'z_loss'" in bad.stdout + bad.stderr
+
+
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/fast_llm_head.py end to end on a tiny shape (its full size is for a quiet
+    machine: docs/fast-llm.md), Fast-LLM eager; both variants' rows reach the CSV."""
+    import csv
+
+    out = tmp_path / "bench.csv"
+    script = ROOT / "benchmarks" / "fast_llm_head.py"
+    args = ["--tokens", "64", "--hidden", "16", "--vocab", "50", "--repeats", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--no-compile", "--csv", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == ["fast_llm", "logitless"]
+    assert rows[0]["loss"] == "grpo" and float(rows[1]["time_median_s"]) > 0

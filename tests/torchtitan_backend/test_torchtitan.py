@@ -143,3 +143,25 @@ def test_refuses_spmd_typechecking():
     loss_fn.set_lm_head(_head(d, torch.float32))
     with typecheck(local=False), pytest.raises(ValueError, match=r"debug\.spmd_typechecking"):
         loss_fn(d["hidden"].float(), d["labels"], d["gvt"])
+
+
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/torchtitan_loss.py end to end on a tiny shape (its full size is for a quiet
+    machine: docs/torchtitan.md); both variants' rows reach the CSV."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "bench.csv"
+    args = ["--tokens", "64", "--hidden", "16", "--vocab", "50", "--repeats", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "torchtitan_loss.py"), *args, "--loss", "grpo",
+         "--csv", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == ["chunked", "logitless"]
+    assert rows[1]["loss"] == "grpo" and float(rows[1]["time_median_s"]) > 0
