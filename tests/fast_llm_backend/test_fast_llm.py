@@ -220,26 +220,26 @@ def _cli(config: str, tmp_path: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-CLI_CONFIG = """\
-model:
-  base_model:
-    decoder: {{num_blocks: 1}}
-    embeddings: {{vocab_size: 96}}
-    hidden_size: 24
-    head:
-      type: logitless
-      losses: {losses}
-  distributed: {{use_cuda: false}}
-"""
+def _page_config() -> str:
+    """The run config of docs/fast-llm.md (its first YAML block)."""
+    import re
+
+    page = (ROOT / "docs" / "fast-llm.md").read_text()
+    return re.findall(r"```yaml\n(.*?)```", page, re.S)[0]
 
 
 def test_fast_llm_command_line(tmp_path):
     """Fast-LLM's own command line, run as ``python -m logitless.integrations.fast_llm``:
-    ``type: logitless`` is accepted, and a loss it cannot compute is refused by name."""
-    ok = _cli(CLI_CONFIG.format(losses="{grpo: {type: grpo}}"), tmp_path)
+    the config docs/fast-llm.md shows is accepted with ``type: logitless``, and a loss logitless
+    cannot compute is refused by name."""
+    config = _page_config()
+    assert "type: logitless" in config
+    ok = _cli(config, tmp_path)
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert "logitless" in ok.stdout + ok.stderr
-    bad = _cli(CLI_CONFIG.format(losses="{z: {type: z_loss}}"), tmp_path)
+    grpo = "grpo: {type: grpo, epsilon_low: 0.2, epsilon_high: 0.28}"
+    assert grpo in config
+    bad = _cli(config.replace(grpo, "z: {type: z_loss}"), tmp_path)
     assert bad.returncode != 0
     assert "head.losses.z: loss type 'z_loss'" in bad.stdout + bad.stderr
 

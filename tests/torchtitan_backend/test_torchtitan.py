@@ -165,3 +165,18 @@ def test_benchmark_script_runs(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [r["variant"] for r in rows] == ["chunked", "logitless"]
     assert rows[1]["loss"] == "grpo" and float(rows[1]["time_median_s"]) > 0
+
+
+def test_the_doc_page_snippet():
+    """docs/torchtitan.md's Python block runs as written (the main suite, without torchtitan,
+    skips it) and builds what it says."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    scope: dict = {}
+    exec(compile(code, "docs/torchtitan.md", "exec"), scope)  # noqa: S102
+    for name in ("loss", "rl_loss"):
+        assert isinstance(scope[name].build(), LogitlessLoss)
+    assert isinstance(scope["rl_loss"].build().loss_fn, GRPOLoss)
