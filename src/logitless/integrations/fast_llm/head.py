@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 from fast_llm.core.ops import gather_op, reduce_op, reduce_scatter_op
 from fast_llm.layers.block.config import BlockKwargs
+from fast_llm.layers.language_model.config import LanguageModelHeadConfig
 from fast_llm.layers.language_model.head import LanguageModelHead
 from fast_llm.layers.language_model.multi_token_prediction import MultiTokenPrediction
 from fast_llm.tensor import accumulate_gradient, param_get_and_unset_is_zero
@@ -40,7 +41,6 @@ from ...contract.options import HeadOptions, WeightGradInto
 from ...contract.vocab import VocabParallel
 from ...transform import compute_dtype
 from .. import seam
-from .config import LogitlessHeadConfig
 from .losses import HeadParts, TeacherOutput, kind_of, prepare_loss, run_loss
 
 __all__ = ["LogitlessHead", "LogitlessMultiTokenPrediction"]
@@ -48,8 +48,9 @@ __all__ = ["LogitlessHead", "LogitlessMultiTokenPrediction"]
 _PREPARED = "logitless_prepared"  # kwargs[_PREPARED][head name]: the checked calls
 
 # Fast-LLM's configurable classes name their config class as the bound of a type parameter
-# called ConfigType (PEP 695 there; a TypeVar here, for Python 3.11's parser).
-ConfigType = TypeVar("ConfigType", bound=LogitlessHeadConfig)
+# called ConfigType (PEP 695 there; a TypeVar here, for Python 3.11's parser). Its config is
+# LogitlessHeadConfig (.config), which imports this module to build the head.
+ConfigType = TypeVar("ConfigType", bound=LanguageModelHeadConfig)
 
 
 class LogitlessHead(LanguageModelHead[ConfigType]):
@@ -68,6 +69,8 @@ class LogitlessHead(LanguageModelHead[ConfigType]):
 
     def preprocess(self, kwargs: dict[str, Any]) -> None:
         super().preprocess(kwargs)
+        if self.output_weights.device.type == "meta":
+            return  # a pipeline stage that does not hold the head: its own rank checks
         if self.training and BlockKwargs.grad_output in kwargs:
             kwargs.setdefault(_PREPARED, {})[self.module_name] = self._prepare(kwargs)
 
@@ -182,7 +185,8 @@ class LogitlessHead(LanguageModelHead[ConfigType]):
         hidden states and the weight where Fast-LLM stores the logits it was asked for."""
         name = f"{self.module_name}.logits"
         patterns = kwargs.get(BlockKwargs.output_hidden_states) or ()
-        if not self._config.teacher_hidden_states or not any(p.match(name) for p in patterns):
+        hands = getattr(self._config, "teacher_hidden_states", False)  # LogitlessHeadConfig's
+        if not hands or not any(p.match(name) for p in patterns):
             return False
         out = TeacherOutput(
             input_.detach().flatten(0, -2), self.output_weights.detach(),
