@@ -133,7 +133,7 @@ class LogitlessHead(LanguageModelHead[ConfigType]):
         total = None
         for loss, call in zip(self.losses, prepared, strict=True):
             with torch.enable_grad():  # Fast-LLM runs its stages without autograd
-                tokens = seam.Tokens(_as(leaf, call.call.call.batch_shape), call.call.labels)
+                tokens = call.tokens(leaf)
             head = dataclasses.replace(call.head, weight=weight)
             value = run_loss(loss, call, tokens, head, kwargs, losses)
             total = value if total is None else total + value
@@ -170,7 +170,7 @@ class LogitlessHead(LanguageModelHead[ConfigType]):
         param = self.output_weights
         if not param.requires_grad:
             return param.detach()
-        if param_get_and_unset_is_zero(param):
+        if getattr(param, "grad_buffer", None) is not None and param_get_and_unset_is_zero(param):
             param.grad_buffer.zero_()
         return param.detach().requires_grad_()
 
@@ -214,11 +214,6 @@ def _check_documents(loss) -> None:
             "distributed.sequence_tensor_parallel=true needs embeddings.vocab_parallel=true "
             "(each rank would score part of a document), got vocab_parallel=false"
         )
-
-
-def _as(hidden: torch.Tensor, batch_shape: torch.Size) -> torch.Tensor:
-    """``[N, H]`` hidden states in a call's layout (``[N, H]`` or ``[1, N, H]``)."""
-    return hidden.reshape(*batch_shape, hidden.shape[-1])
 
 
 class LogitlessMultiTokenPrediction(MultiTokenPrediction[ConfigType]):

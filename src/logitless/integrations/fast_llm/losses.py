@@ -64,8 +64,8 @@ IGNORE = -100
 # three head matmuls, the gradient taken in the forward). Old log-probs are 0.
 _NLL = PolicyLossConfig(surrogate="cispo", clip_low=0.0, clip_high=0.0, aggregation="token_sum")
 
-# Fast-LLM's loss layer -> the kind of computation below (ordered: GSPO before GRPO is not
-# needed, they are distinct classes).
+# Fast-LLM's loss layer -> the kind of computation below (exact classes: Fast-LLM's GRPO and
+# GSPO layers are siblings, neither derives from the other).
 KINDS: dict[type, str] = {
     LanguageModelLabelEntropyLoss: "label",
     LanguageModelGRPOLoss: "grpo",
@@ -134,6 +134,11 @@ class Prepared:
     head: seam.Head
     divisor: float
     extra: dict[str, Any]
+
+    def tokens(self, hidden: torch.Tensor) -> seam.Tokens:
+        """``[N, H]`` hidden states in the call's layout (``[N]`` or ``[1, N]`` labels)."""
+        shape = self.call.call.batch_shape
+        return seam.Tokens(hidden.reshape(*shape, hidden.shape[-1]), self.call.labels)
 
 
 def _labels(target: torch.Tensor) -> torch.Tensor:
