@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every test, after the README's install line: the main suite (pytest in this Python), then the
-# five suites that need venvs of their own (.ci/verl.sh: verl pins an older transformers;
-# .ci/megatron.sh, .ci/skyrl.sh, .ci/prime_rl.sh and .ci/slime.sh: megatron-core 0.19, skyrl
-# 0.4, prime-rl 0.8 and slime's source need Python 3.12), one after another. Arguments go to
-# the main suite's pytest.
+# suites that need venvs of their own, one after another (SUITES below, each .ci/<suite>.sh):
+# verl (it pins an older transformers); megatron (megatron-core 0.19), skyrl (skyrl 0.4),
+# prime_rl, slime and fast_llm (the vendored trainers' source in ../shared/peers), all on
+# Python 3.12 over one shared layer (.ci/_python312.sh); torchtitan (0.3, without the
+# dependencies that would move the main suite's). Arguments go to the main suite's pytest.
 #
-# The five venvs are built in the background while the main suite runs (pip mostly downloads
+# The venvs are built in the background while the main suite runs (pip mostly downloads
 # and unpacks: about 5 minutes that no longer add to the run; its output goes to
 # .ci-venvs.log, printed if it fails). Their tests do not run beside the main suite: there they
 # slowed it from 16 min 44 s to 32 min 58 s on a 2-core machine (both start gloo ranks that
@@ -13,23 +14,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+SUITES=(verl megatron skyrl prime_rl slime fast_llm torchtitan)
+
 log=.ci-venvs.log
-(bash .ci/verl.sh install && bash .ci/megatron.sh install && bash .ci/skyrl.sh install &&
-    bash .ci/prime_rl.sh install && bash .ci/slime.sh install) >"$log" 2>&1 &
+(for suite in "${SUITES[@]}"; do bash ".ci/$suite.sh" install || exit 1; done) >"$log" 2>&1 &
 builder=$!
 
 status=0
 python3 -m pytest -q "$@" || status=$?
 
 if ! wait "$builder"; then
-    echo "building the venvs failed (.ci/verl.sh, .ci/megatron.sh, .ci/skyrl.sh, .ci/prime_rl.sh," \
-        ".ci/slime.sh install):" >&2
+    echo "building the venvs failed (.ci/<suite>.sh install for ${SUITES[*]}):" >&2
     grep -v "^WARNING: Location" "$log" | tail -40 >&2
     exit 1
 fi
 [ "$status" -eq 0 ] || exit "$status"
-bash .ci/verl.sh test
-bash .ci/megatron.sh test
-bash .ci/skyrl.sh test
-bash .ci/prime_rl.sh test
-bash .ci/slime.sh test
+for suite in "${SUITES[@]}"; do
+    bash ".ci/$suite.sh" test
+done

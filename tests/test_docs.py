@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-OPTIONAL = ("cut_cross_entropy", "liger_kernel", "trl", "transformers", "matplotlib")
+OPTIONAL = ("cut_cross_entropy", "liger_kernel", "trl", "transformers", "matplotlib", "torchtitan")
 
 
 def _blocks(fence: str) -> list[tuple[str, int, str]]:

@@ -50,11 +50,38 @@ def check_group(group: object, name: str):
 def comm_device(group) -> torch.device:
     """Device for small control tensors of ``group``: the current CUDA device for NCCL groups,
     the CPU otherwise."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+    if _backend_name(group) == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def rank_and_size(group) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size.
+
+    A ``torch.distributed.ProcessGroup`` (None: the default group) is asked through
+    torch.distributed. A standalone backend object built directly over a store without
+    ``init_process_group`` (Fast-LLM builds its groups so: ``ProcessGroupGloo(store, rank,
+    size)``, a ``torch.distributed.Backend``) is unknown to ``torch.distributed.get_rank``
+    and is asked itself; the collectives take either kind.
+    """
+    import torch.distributed as dist
+
+    if _standalone(group):
+        return group.rank(), group.size()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _standalone(group) -> bool:
+    """A group object that is not a ``torch.distributed.ProcessGroup`` (see rank_and_size)."""
+    import torch.distributed as dist
+
+    return group is not None and not isinstance(group, dist.ProcessGroup)
+
+
+def _backend_name(group) -> str:
+    import torch.distributed as dist
+
+    return group.name() if _standalone(group) else dist.get_backend(group)
 
 
 def signature(*parts: object) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import agree, comm_device
+from .collectives import agree, comm_device, rank_and_size
 
 __all__ = ["VocabParallel", "even_vocab_range"]
 
@@ -86,11 +86,7 @@ class VocabParallel:
         vocab_size: int | None = None,
         reduce_hidden_grad: bool = True,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError(
-                "VocabParallel needs an initialized torch.distributed process group "
-                "(torch.distributed.init_process_group)"
-            )
+        _need_group(group, "VocabParallel")
         for name, v in (("vocab_start", vocab_start), ("vocab_end", vocab_end)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{name} must be an int, got {v!r}")
@@ -101,8 +97,7 @@ class VocabParallel:
         if not isinstance(reduce_hidden_grad, bool):
             raise ValueError(f"reduce_hidden_grad must be a bool, got {reduce_hidden_grad!r}")
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size = rank_and_size(group)
         # Exchange every rank's range before judging any, so all ranks raise together
         # instead of one raising and the others hanging in a later collective.
         mine = torch.tensor([vocab_start, vocab_end], dtype=torch.int64, device=comm_device(group))
@@ -125,9 +120,8 @@ class VocabParallel:
         reduce_hidden_grad: bool = True,
     ) -> VocabParallel:
         """The even split of ``vocab_size`` rows over ``group`` (see :func:`even_vocab_range`)."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("VocabParallel.even needs an initialized torch.distributed group")
-        start, end = even_vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
+        _need_group(group, "VocabParallel.even")
+        start, end = even_vocab_range(vocab_size, *rank_and_size(group))
         return cls(group, start, end, vocab_size=vocab_size, reduce_hidden_grad=reduce_hidden_grad)
 
     @property
@@ -225,4 +219,17 @@ def _check_tiling(ranges: tuple[tuple[int, int], ...], vocab_size: int | None) -
         raise ValueError(
             f"VocabParallel: the ranges cover [0, {ranges[-1][1]}) but vocab_size={vocab_size} "
             f"({shown}; {len(ranges)} ranks in the group); {hint}"
+        )
+
+
+def _need_group(group: dist.ProcessGroup | None, what: str) -> None:
+    """A ``ValueError`` unless ``group`` can be used: torch.distributed initialized (the
+    default group, None, or one it made), or a standalone backend object (see
+    :func:`~logitless.contract.collectives.rank_and_size`)."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    if group is None or isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"{what} needs an initialized torch.distributed process group "
+            "(torch.distributed.init_process_group), or a standalone group object"
         )

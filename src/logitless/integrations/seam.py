@@ -58,7 +58,12 @@ from ..contract.vocab import VocabParallel
 from ..losses import LossNormalizer, PolicyLossConfig
 from ..losses.call import LossCall
 from ..ops.divergence.op import divergence_of_call
-from ..ops.fused_loss.op import check_loss_of_head, fused_loss_of_call, teacher_divergence
+from ..ops.fused_loss.op import (
+    check_loss_of_head,
+    fused_loss_and_logprobs_of_call,
+    fused_loss_of_call,
+    teacher_divergence,
+)
 from ..ops.logprobs.op import logprobs_of_call
 from ..parallel.context import CP_LAYOUTS
 from ..types import Divergence, LogProbs, TeacherHead
@@ -82,6 +87,7 @@ __all__ = [
     "divergence",
     "logprobs",
     "policy_loss",
+    "policy_loss_and_logprobs",
     "prepare",
     "run_as_forward",
     "run_head",
@@ -516,6 +522,20 @@ def policy_loss(
     """:func:`logitless.fused_policy_loss` of a call prepared :meth:`~Prepared.with_loss`:
     ``(loss, metrics)``; its context group sums the documents' statistics, and a teacher adds
     the distillation term on the same rows."""
+    return _policy_loss(fused_loss_of_call, prepared, tokens, head)
+
+
+def policy_loss_and_logprobs(
+    prepared: Prepared, tokens: Tokens, head: Head
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], LogProbs]:
+    """:func:`policy_loss`, and the per-token log-probs (and entropy, when the call asks for
+    it: :meth:`Prepared.with_entropy`) its pass computed, detached, in the labels' shape (0 at
+    ignored tokens): a trainer's own per-token metrics without a second head pass. Not with
+    sampling replay."""
+    return _policy_loss(fused_loss_and_logprobs_of_call, prepared, tokens, head)
+
+
+def _policy_loss(run: Callable[..., T], prepared: Prepared, tokens: Tokens, head: Head) -> T:
     if prepared.loss is None:
         raise ValueError("policy_loss needs a call prepared with its loss (Prepared.with_loss)")
     with _unautocast(tokens.hidden):
@@ -524,7 +544,7 @@ def policy_loss(
         if prepared.teacher is not None:
             divergence = _distillation_term(prepared, call, head)
             loss_call = dataclasses.replace(loss_call, divergence=divergence.detach())
-        return fused_loss_of_call(call, loss_call, divergence)
+        return run(call, loss_call, divergence)
 
 
 def _distillation_term(prepared: Prepared, call: HeadCall, head: Head) -> torch.Tensor:

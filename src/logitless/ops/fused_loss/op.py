@@ -41,7 +41,7 @@ from ...losses import LossNormalizer, PolicyLossConfig
 from ...losses.call import LossCall
 from ...losses.checks import LossArgs, check_policy_loss
 from ...sampling import SamplingMask
-from ...types import TeacherHead
+from ...types import LogProbs, TeacherHead
 from ..divergence.op import linear_divergence
 from ..logprobs.function import run_rows
 from ..rows import kernel_batch, kernel_options, refuse_double_backward, select_rows
@@ -277,6 +277,30 @@ def fused_loss_of_call(
     """:func:`fused_policy_loss` of a checked head call and loss call (the HF integration
     checks both before its backbone runs, then calls this). ``divergence``: the distillation
     term's ``D`` with its autograd history (the loss call holds it detached)."""
+    value, metrics, _ = _fused_loss(call, loss_call, divergence)
+    return value, metrics
+
+
+def fused_loss_and_logprobs_of_call(
+    call: HeadCall, loss_call: LossCall, divergence: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict, LogProbs]:
+    """:func:`fused_loss_of_call`, and the per-token log-probs (and entropy, with the call's
+    ``with_entropy``) its pass computed, detached, in the labels' shape (0 at ignored rows):
+    what a trainer's own metrics need (Fast-LLM's, torchtitan's), without a second head pass.
+    Not with sampling replay."""
+    if call.replay is not None:
+        raise ValueError(
+            "the per-token log-probs of the fused loss are not available with sampling replay"
+        )
+    value, metrics, tokens = _fused_loss(call, loss_call, divergence)
+    assert tokens is not None  # every path but replay's gives them
+    return value, metrics, tokens
+
+
+def _fused_loss(
+    call: HeadCall, loss_call: LossCall, divergence: torch.Tensor | None
+) -> tuple[torch.Tensor, dict, LogProbs | None]:
+    """The fused loss, its metrics and its rows' log-probs (None with sampling replay)."""
     rows = select_rows(call)
     loss = PolicyRowLoss(loss_call, rows)
     if call.capturable and call.tracked and torch.compiler.is_compiling():
@@ -288,14 +312,19 @@ def fused_loss_of_call(
         call.weight.requires_grad,
         call.bias is not None and call.bias.requires_grad,
     )
+    logp = ent = None
     if call.replay is not None:
         value, metrics, grads = replay_policy_loss(
             call, rows, batch, loss, needs if call.tracked else None, loss_call.group
         )
     elif not call.tracked and not _tracked(divergence):
-        return loss.evaluate(*_no_grad_pass(call, batch), reduce_metrics=True)
+        logp, ent = _no_grad_pass(call, batch)
+        value, metrics = loss.evaluate(logp, ent, reduce_metrics=True)
+        return value, metrics, _tokens(rows, logp, ent)
     else:
-        value, metrics, grads, d_div = _fused_rows(call, rows, batch, loss, loss_call, needs)
+        value, metrics, grads, d_div, (logp, ent) = _fused_rows(
+            call, rows, batch, loss, loss_call, needs
+        )
     if grads is not None and call.tracked:
         into = call.weight_grad_into
         dw_of = call.weight if into is None else into.buffer  # the scratch joins the buffer
@@ -304,10 +333,17 @@ def fused_loss_of_call(
         value = _StoredGradients.apply(value, store, rows.hidden, call.weight, call.bias)
     if call.replay is None:
         value = _through_divergence(value, divergence, d_div)
-    return value, metrics
+    return value, metrics, None if logp is None else _tokens(rows, logp, ent)
 
 
-def _composed_rows(call: HeadCall, rows, loss: RowLoss) -> tuple[torch.Tensor, dict]:
+def _tokens(rows, logp: torch.Tensor, ent: torch.Tensor | None) -> LogProbs:
+    """The rows' log-probs (and entropy) in the caller's layout, detached."""
+    return LogProbs(
+        rows.scatter(logp.detach()), None if ent is None else rows.scatter(ent.detach())
+    )
+
+
+def _composed_rows(call: HeadCall, rows, loss: RowLoss) -> tuple[torch.Tensor, dict, LogProbs]:
     """The capturable call under ``torch.compile``: the composed form, the head's autograd
     function and then the loss through autograd (the numbers the fused form promises; four
     head matmuls instead of three). Dynamo cannot trace the fused form: it takes the loss's
@@ -315,7 +351,7 @@ def _composed_rows(call: HeadCall, rows, loss: RowLoss) -> tuple[torch.Tensor, d
     ``trace_autograd_ops`` is on) and hands it to autograd by a side effect on a store."""
     logp, ent = run_rows(kernel_batch(call, rows), kernel_options(call, rows.labels.numel()))
     value, metrics = loss.evaluate(logp, ent, reduce_metrics=True)
-    return value, {k: v.detach() for k, v in metrics.items()}
+    return value, {k: v.detach() for k, v in metrics.items()}, _tokens(rows, logp, ent)
 
 
 def _tracked(t: torch.Tensor | None) -> bool:
@@ -374,7 +410,7 @@ def _fused_rows(call: HeadCall, rows, batch: RowBatch, loss: RowLoss, loss_call,
         (logp, ent), grads = _no_grad_pass(call, batch), None
     with torch.no_grad():
         value, metrics = loss.evaluate(logp, ent, stats, reduce_metrics=True)
-    return value, metrics, grads, loss.divergence_grad(logp, ent, stats)
+    return value, metrics, grads, loss.divergence_grad(logp, ent, stats), (logp, ent)
 
 
 class _GradStore:
