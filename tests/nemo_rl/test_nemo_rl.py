@@ -1,0 +1,322 @@
+"""logitless as NeMo RL's fused-linear-logprobs backend, run through NeMo RL's own code.
+
+Each check builds a tiny megatron-core GPTModel per gloo rank (tests/_megatron_shim.py), a
+NeMo RL rollout batch (``BatchedDataDict``: input ids and lengths, token and sample masks,
+advantages, previous / generation / reference log-probs) and NeMo RL's config, and runs NeMo
+RL's Megatron training code on it: its micro-batch processing (``process_microbatch``:
+padding, or THD packing and the context-parallel zigzag split), its
+``megatron_forward_backward`` (``forward_with_post_processing_fn``, Megatron's schedule) with
+its ``LogprobsPostProcessor`` (the previous log-probs) and ``LossPostProcessor`` around its
+``ClippedPGLossFn``, three ways on the same weights and batch:
+
+- ours: ``use_fused_linear_logprobs=true`` with ``fused_linear_logprobs_backend=logitless``;
+- NeMo RL's logits path (``use_fused_linear_logprobs=false``), the reference;
+- that path on a float64 copy of the model, the truth (its cast of the logits to fp32 before
+  the log-softmax lifted: ``_float64_truth``).
+
+The log-probs, the loss, and every parameter's gradient (``.grad``, or ``main_grad`` under
+Megatron's DDP) must be within the tolerance derived from the reference's own error against
+the truth (tests/_tolerance.py). NeMo RL's own fused path refuses context parallelism,
+packing with GRPO and top-k / top-p; these run here with logitless.
+
+NeMo RL needs Megatron-Bridge and Megatron-LM's ``megatron.training`` to import, and
+hard-codes CUDA in its context-parallel gather: tests/nemo_rl/_nemo_shim.py says what is
+stubbed and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core (the 3.12 layer, .ci/nemo_rl.sh)")
+pytest.importorskip("ray", reason="NeMo RL's imports (.ci/nemo_rl.sh)")
+
+from _dist import spawn  # noqa: E402
+from _tolerance import FLOOR, assert_no_worse_than_reference  # noqa: E402
+
+V = 256
+B, S = 3, 16
+LENGTHS = (16, 9, 12)
+
+
+# --- NeMo RL's config, batch and step -------------------------------------------------------
+
+
+def _config(tp: int, cp: int, packed: bool, sp: bool = False, backend: str = "logitless",
+            fuse_loss: bool = False) -> dict:  # fmt: skip
+    multiple = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    return {
+        "sequence_packing": {"enabled": packed, "fuse_loss": fuse_loss},
+        "dynamic_batching": {"enabled": False},
+        "make_sequence_length_divisible_by": multiple,
+        "logprob_chunk_size": None,
+        "megatron_cfg": {
+            "enabled": True,
+            "use_fused_linear_logprobs": True,
+            "fused_linear_logprobs_backend": backend,
+            "tensor_model_parallel_size": tp,
+            "context_parallel_size": cp,
+            "pipeline_model_parallel_size": 1,
+            "sequence_parallel": sp,
+        },
+    }
+
+
+def _rollout(seed: int = 1, ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A GRPO batch as NeMo RL's policy worker gets it (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(LENGTHS)
+    real = torch.arange(S)[None] < lengths[:, None]
+    if ids is None:
+        ids = torch.randint(0, V, (B, S), generator=g)
+    ids = torch.where(real, ids, 0)
+    token_mask = (real & (torch.arange(S)[None] >= 3)).float()  # a 3-token prompt
+    old = -torch.rand(B, S, generator=g) * 6
+    return dict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=torch.ones(B),
+        advantages=torch.randn(B, S, generator=g),
+        prev_logprobs=old,
+        generation_logprobs=old + 0.05 * torch.randn(B, S, generator=g),
+        reference_policy_logprobs=old + 0.1 * torch.randn(B, S, generator=g),
+    )
+
+
+def _microbatch(rollout: dict, cfg: dict):
+    """NeMo RL's processing of one micro-batch (``process_microbatch``, as
+    ``make_processed_microbatch_iterator`` runs it, without its move to CUDA)."""
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.models.megatron import data as nd
+
+    data = BatchedDataDict({k: v.clone() for k, v in rollout.items()})
+    pack = cfg["sequence_packing"]["enabled"]
+    pad = (1, 1, None)
+    if pack:
+        pad = nd._get_pack_sequence_parameters_for_megatron(
+            cfg["megatron_cfg"], cfg["make_sequence_length_divisible_by"], S
+        )
+    inputs = nd.process_microbatch(
+        data, seq_length_key="input_lengths" if pack else None,
+        pad_individual_seqs_to_multiple_of=pad[0], pad_packed_seq_to_multiple_of=pad[1],
+        pad_full_seq_to=pad[2], pack_sequences=pack,
+    )  # fmt: skip
+    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    return nd.ProcessedMicrobatch(data_dict=data, **fields)
+
+
+def _loss_fn(kl: float = 0.01):
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
+
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=kl, ratio_clip_min=0.2, ratio_clip_max=0.28)
+    return ClippedPGLossFn(cfg, use_fused_linear_logprobs=True)
+
+
+def _run(model, cfg: dict, rollout: dict, sampling, what: str, fused: bool, loss_fn=None):
+    """One NeMo RL step (``megatron_forward_backward``): ``what`` ``"logprobs"`` (its
+    ``LogprobsPostProcessor``, forward only) or ``"loss"`` (``LossPostProcessor``, backward)."""
+    from nemo_rl.models.megatron import train
+
+    if what == "logprobs":
+        post = train.LogprobsPostProcessor(cfg, sampling, use_fused_linear_logprobs=fused)
+    else:
+        post = train.LossPostProcessor(loss_fn or _loss_fn(), cfg, 1, sampling_params=sampling)
+    mask = rollout["token_mask"][:, 1:] * rollout["sample_mask"][:, None]
+    out = train.megatron_forward_backward(
+        model=model, data_iterator=iter([_microbatch(rollout, cfg)]), num_microbatches=1,
+        seq_length=S, mbs=B, post_processing_fn=post, forward_only=what == "logprobs",
+        global_valid_seqs=rollout["sample_mask"].sum(), global_valid_toks=mask.sum(),
+        sampling_params=sampling, use_fused_linear_logprobs=fused,
+    )  # fmt: skip
+    return out[0]
+
+
+# --- the three paths ---------------------------------------------------------------------
+
+
+def _setup(tp: int, cp: int, sp: bool = False, dtype=torch.float32, seed: int = 0):
+    from _megatron_shim import gpt_model, init_parallel
+
+    init_parallel(tp, cp)
+
+    def build(dtype=dtype):
+        return gpt_model(tp=tp, cp=cp, sequence_parallel=sp, vocab=V, dtype=dtype, seed=seed,
+                         position_embedding_type="none")  # fmt: skip
+
+    model = build()
+    truth = build(torch.float64)
+    with torch.no_grad():
+        for p64, p in zip(truth.parameters(), model.parameters(), strict=True):
+            p64.copy_(p)
+    return model, truth
+
+
+def _float64_truth():
+    """NeMo RL's logits path casts the logits to fp32 before its log-softmax
+    (``get_next_token_logprobs_from_logits``); for the truth, keep the float64 model's
+    logits float64 (the same function's vocabulary-parallel branch, without the cast)."""
+    from nemo_rl.algorithms.loss import utils
+    from nemo_rl.distributed import model_utils
+
+    def float64(input_ids, next_token_logits, vocab_parallel_rank=None,
+                vocab_parallel_group=None, context_parallel_group=None, sampling_params=None,
+                **_):  # fmt: skip
+        shard = next_token_logits.shape[-1]
+        logp = model_utils.from_parallel_logits_to_logprobs(
+            next_token_logits, input_ids, vocab_parallel_rank * shard,
+            (vocab_parallel_rank + 1) * shard, vocab_parallel_group,
+            cp_group=context_parallel_group, sampling_params=sampling_params,
+        )  # fmt: skip
+        return logp[:, : input_ids.shape[1] - 1]
+
+    return _swapped(utils, "get_next_token_logprobs_from_logits", float64)
+
+
+class _swapped:
+    def __init__(self, module, name, value) -> None:
+        self.module, self.name, self.value = module, name, value
+
+    def __enter__(self):
+        self.old = getattr(self.module, self.name)
+        setattr(self.module, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.old)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is not None:
+            out[n.removeprefix("module.").removeprefix("module.")] = g.detach().float().clone()
+    for p in model.parameters():
+        p.grad = None
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad.zero_()
+    return out
+
+
+def _three_ways(model, truth, cfg, rollout, sampling, what: str, loss_fn=None) -> list[dict]:
+    """ours, NeMo RL's logits path, float64: ``{"out": log-probs or loss, **grads}``."""
+    results = []
+    for m, fused in ((model, True), (model, False), (truth, False)):
+        ctx = _float64_truth() if m is truth else contextlib.nullcontext()
+        with ctx:
+            out = _run(m, cfg, rollout, sampling, what, fused, loss_fn)
+        value = out["logprobs"] if what == "logprobs" else torch.tensor(out["loss"])
+        results.append(dict(out=value.double(), **(_grads(m) if what == "loss" else {})))
+    return results
+
+
+def _compare(results: list[dict], what: str, floor: float) -> None:
+    ours, ref, exact = results
+    assert set(ours) == set(ref) == set(exact), (set(ours) ^ set(ref), set(ref) ^ set(exact))
+    for name in ref:
+        f = FLOOR if name == "out" else floor
+        assert_no_worse_than_reference(
+            ours[name].double(), ref[name].double(), exact[name].double(), f"{what}: {name}",
+            floor=f,
+        )  # fmt: skip
+
+
+def _sampling(temperature=1.0, top_k=None, top_p=1.0):
+    from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
+
+    return TrainingSamplingParams(top_k=top_k, top_p=top_p, temperature=temperature)
+
+
+# --- the checks ---------------------------------------------------------------------------
+
+
+def _parity_case(rank: int, tp: int, cp: int, packed: bool, sp: bool, sampled: bool) -> None:
+    """The previous log-probs and the GRPO loss step, three ways (module docstring)."""
+    model, truth = _setup(tp, cp, sp)
+    cfg = _config(tp, cp, packed, sp)
+    sampling = _sampling(0.7, 40, 0.9) if sampled else _sampling(0.7)
+    rollout = _rollout(ids=_sampled_ids(model, sampling) if sampled else None)
+    floor = S * B * FLOOR
+    logp = _three_ways(model, truth, cfg, rollout, sampling, "logprobs")
+    _compare(logp, f"rank {rank} logprobs", floor)
+    if sampled:  # every sampled token in its kept set: no -inf, no position masked
+        assert torch.isfinite(logp[0]["out"]).all()
+    rollout["prev_logprobs"] = logp[1]["out"].float() + 0.02 * torch.randn(B, S)
+    _compare(_three_ways(model, truth, cfg, rollout, sampling, "loss"), f"rank {rank} loss", floor)
+
+
+def _sampled_ids(model, sampling) -> torch.Tensor:
+    """Token ids a vLLM-like sampler draws from the model itself with top-k / top-p at the
+    temperature (the tiny model is token-local: each position's logits depend on its own token
+    only, so one forward over the whole vocabulary gives every next-token distribution)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    with torch.no_grad():
+        logits = model(torch.arange(V)[None], None, None)  # [1, V, V/tp]
+        table = gather_from_tensor_model_parallel_region(logits.transpose(0, 1).contiguous())
+        table = table[:, 0].double() / sampling.temperature  # [V, V]
+    kept = table >= table.topk(sampling.top_k, -1).values[:, -1:]
+    probs = torch.where(kept, table, float("-inf")).softmax(-1)
+    ordered, order = probs.sort(-1, descending=True)
+    before = ordered.cumsum(-1) - ordered
+    top_p = torch.zeros_like(kept).scatter(-1, order, before < sampling.top_p)
+    probs = torch.where(top_p, probs, 0)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.empty(B, S, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, V, (B,), generator=g)
+    for t in range(1, S):
+        ids[:, t] = torch.multinomial(probs[ids[:, t - 1]].float(), 1, generator=g)[:, 0]
+    return ids
+
+
+CHECKS = {"parity": _parity_case}
+
+
+def _run_checks(rank: int, world: int, checks: list) -> dict[str, str | None]:
+    import traceback
+
+    import _megatron_shim  # noqa: F401
+    import _nemo_shim
+
+    _nemo_shim.install()
+    import logitless.integrations.nemo_rl as nemo  # noqa: F401  (installs)
+
+    _nemo_shim.cpu_reference_path()
+    from nemo_rl.distributed.model_utils import patch_gpt_model_forward_for_linear_ce_fusion
+
+    patch_gpt_model_forward_for_linear_ce_fusion(chunk_size=8)
+    results: dict[str, str | None] = {}
+    for name, args in checks:
+        try:
+            CHECKS[name.split(":")[0]](rank, *args)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported by the test of this check
+            results[name] = f"rank {rank}: {traceback.format_exc()}"
+    return results
+
+
+TWO_RANKS = [
+    ("parity:tp2_padded", (2, 1, False, False, False)),
+    ("parity:tp2_packed_sp_topk", (2, 1, True, True, True)),
+    ("parity:cp2_packed", (1, 2, True, False, False)),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return spawn(_run_checks, 2, TWO_RANKS, timeout_s=120.0)
+
+
+def _passed(results: list[dict], name: str) -> None:
+    errors = [r[name] for r in results if r[name] is not None]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in TWO_RANKS])
+def test_parity_with_nemo_rl_logits_path_and_float64(two_ranks, name):
+    _passed(two_ranks, name)
