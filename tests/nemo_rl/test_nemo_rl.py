@@ -110,11 +110,11 @@ def _microbatch(rollout: dict, cfg: dict):
     return nd.ProcessedMicrobatch(data_dict=data, **fields)
 
 
-def _loss_fn(kl: float = 0.01):
+def _loss_fn(fused: bool, kl: float = 0.01):
     from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
 
     cfg = ClippedPGLossConfig(reference_policy_kl_penalty=kl, ratio_clip_min=0.2, ratio_clip_max=0.28)
-    return ClippedPGLossFn(cfg, use_fused_linear_logprobs=True)
+    return ClippedPGLossFn(cfg, use_fused_linear_logprobs=fused)
 
 
 def _run(model, cfg: dict, rollout: dict, sampling, what: str, fused: bool, loss_fn=None):
@@ -125,7 +125,8 @@ def _run(model, cfg: dict, rollout: dict, sampling, what: str, fused: bool, loss
     if what == "logprobs":
         post = train.LogprobsPostProcessor(cfg, sampling, use_fused_linear_logprobs=fused)
     else:
-        post = train.LossPostProcessor(loss_fn or _loss_fn(), cfg, 1, sampling_params=sampling)
+        loss_fn = _loss_fn(fused) if loss_fn is None else loss_fn
+        post = train.LossPostProcessor(loss_fn, cfg, 1, sampling_params=sampling)
     mask = rollout["token_mask"][:, 1:] * rollout["sample_mask"][:, None]
     out = train.megatron_forward_backward(
         model=model, data_iterator=iter([_microbatch(rollout, cfg)]), num_microbatches=1,
@@ -157,11 +158,33 @@ def _setup(tp: int, cp: int, sp: bool = False, dtype=torch.float32, seed: int = 
 
 
 def _float64_truth():
-    """NeMo RL's logits path casts the logits to fp32 before its log-softmax
-    (``get_next_token_logprobs_from_logits``); for the truth, keep the float64 model's
-    logits float64 (the same function's vocabulary-parallel branch, without the cast)."""
+    """NeMo RL's logits path computes its log-softmax in fp32 (``DistributedLogprob`` and
+    ``DistributedLogprobWithSampling`` cast the logits; so does
+    ``get_next_token_logprobs_from_logits``). For the truth the float64 model's logits stay
+    float64: the two autograd functions are replaced by their plain-torch float64 equivalent
+    (the logits gathered over the tensor-parallel group, NeMo RL's own ``apply_top_k_top_p``
+    on them, the log-softmax, the target's entry: the gradient of this rank's shard as NeMo
+    RL's backward gives it) and the cast is skipped."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from nemo_rl.algorithms.logits_sampling_utils import apply_top_k_top_p
     from nemo_rl.algorithms.loss import utils
     from nemo_rl.distributed import model_utils
+
+    def logprob(logits, target, group, top_k=None, top_p=1.0):
+        full = gather_from_tensor_model_parallel_region(logits)
+        if top_k is not None or top_p != 1.0:
+            full = apply_top_k_top_p(full, top_k=top_k, top_p=top_p)[0]
+        return full.log_softmax(-1).gather(-1, target[..., None])[..., 0]
+
+    class Plain:
+        @staticmethod
+        def apply(logits, target, start, end, group, inference_only=False):
+            return logprob(logits, target, group)
+
+    class WithSampling:
+        @staticmethod
+        def apply(logits, target, group, top_k, top_p, inference_only=False):
+            return logprob(logits, target, group, top_k, top_p)
 
     def float64(input_ids, next_token_logits, vocab_parallel_rank=None,
                 vocab_parallel_group=None, context_parallel_group=None, sampling_params=None,
@@ -174,19 +197,24 @@ def _float64_truth():
         )  # fmt: skip
         return logp[:, : input_ids.shape[1] - 1]
 
-    return _swapped(utils, "get_next_token_logprobs_from_logits", float64)
+    return _swapped(
+        (utils, "get_next_token_logprobs_from_logits", float64),
+        (model_utils, "DistributedLogprob", Plain),
+        (model_utils, "DistributedLogprobWithSampling", WithSampling),
+    )
 
 
-class _swapped:
-    def __init__(self, module, name, value) -> None:
-        self.module, self.name, self.value = module, name, value
-
-    def __enter__(self):
-        self.old = getattr(self.module, self.name)
-        setattr(self.module, self.name, self.value)
-
-    def __exit__(self, *exc):
-        setattr(self.module, self.name, self.old)
+@contextlib.contextmanager
+def _swapped(*replacements):
+    """Each ``(module, name, value)`` set for the block, then restored."""
+    old = [(m, n, getattr(m, n)) for m, n, _ in replacements]
+    for m, n, v in replacements:
+        setattr(m, n, v)
+    try:
+        yield
+    finally:
+        for m, n, v in old:
+            setattr(m, n, v)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -246,7 +274,7 @@ def _parity_case(rank: int, tp: int, cp: int, packed: bool, sp: bool, sampled: b
     _compare(logp, f"rank {rank} logprobs", floor)
     if sampled:  # every sampled token in its kept set: no -inf, no position masked
         assert torch.isfinite(logp[0]["out"]).all()
-    rollout["prev_logprobs"] = logp[1]["out"].float() + 0.02 * torch.randn(B, S)
+    rollout["prev_logprobs"] = logp[1]["out"].detach().float() + 0.02 * torch.randn(B, S)
     _compare(_three_ways(model, truth, cfg, rollout, sampling, "loss"), f"rank {rank} loss", floor)
 
 
