@@ -302,7 +302,120 @@ def _sampled_ids(model, sampling) -> torch.Tensor:
     return ids
 
 
-CHECKS = {"parity": _parity_case}
+def _ddp(model, **ddp):
+    """``model`` as NeMo RL's worker wraps it: megatron-core's DDP (fp32 ``main_grad``), its
+    schedule functions set (tests/test_megatron_production.py's ``_schedule_config``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from test_megatron_production import _schedule_config
+
+    config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **ddp)
+    wrapped = DistributedDataParallel(model.config, config, module=model)
+    _schedule_config(wrapped)
+    return wrapped
+
+
+def _bf16_main_grad_case(rank: int) -> None:
+    """bf16 under Float16Module and DDP (TP=2, packed): the loss and every ``main_grad``, three
+    ways (the truth: a float64 copy of the bf16 weights)."""
+    from _megatron_shim import gpt_model, init_parallel
+    from megatron.core.transformer.module import Float16Module
+
+    init_parallel(2, 1)
+    model = gpt_model(tp=2, vocab=V, dtype=torch.bfloat16, bf16=True,
+                      position_embedding_type="none")  # fmt: skip
+    truth = gpt_model(tp=2, vocab=V, dtype=torch.float64, position_embedding_type="none")
+    with torch.no_grad():
+        for p64, p in zip(truth.parameters(), model.parameters(), strict=True):
+            p64.copy_(p)
+    ddp = _ddp(Float16Module(model.config, model), overlap_grad_reduce=True)
+    cfg = _config(2, 1, True)
+    rollout = _rollout(seed=3)
+    sampling = _sampling(0.8)
+    results = []
+    for m, fused in ((ddp, True), (ddp, False), (truth, False)):
+        ctx = _float64_truth() if m is truth else contextlib.nullcontext()
+        with ctx:
+            out = _run(m, cfg, rollout, sampling, "loss", fused)
+        if m is ddp:
+            m.finish_grad_sync()
+        results.append(dict(out=torch.tensor(out["loss"]).double(), **_grads(m)))
+    _compare(results, f"rank {rank} bf16 main_grad", S * B * FLOOR)
+
+
+ADAM = dict(lr=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-2)
+
+
+def _distributed_optimizer_case(rank: int) -> None:
+    """NeMo RL's refusal of ``overlap_param_gather`` lifted: megatron-core's distributed
+    optimizer with ``overlap_grad_reduce`` and ``overlap_param_gather`` (DP=2), two optimizer
+    steps through NeMo RL's ``megatron_forward_backward``. Step 2's forward reads parameters
+    that ``output_layer``'s forward pre-hook all-gathers from the optimizer's shards (NeMo RL's
+    own fused forward bypasses that hook: the next step trips Megatron's
+    ``param_gather_handle`` assertion). The parameters after each step equal those of NeMo RL's
+    logits path, to Adam's amplification of the gradients' rounding."""
+    from _megatron_shim import gpt_model, init_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    init_parallel(1, 1, gloo_groups=True)
+    dp_rank = ps.get_data_parallel_rank()
+    cfg = _config(1, 1, True)
+    runs = {}
+    for fused in (True, False):
+        model = gpt_model(vocab=V, seed=0, position_embedding_type="none")
+        ddp = _ddp(model, overlap_grad_reduce=True, use_distributed_optimizer=True,
+                   overlap_param_gather=True, bucket_size=3000)  # fmt: skip
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", weight_decay=0.0, clip_grad=0.0,
+                            use_distributed_optimizer=True, **ADAM), [ddp],
+        )  # fmt: skip
+        runs[fused] = (model, ddp, opt)
+    assert len(runs[True][1].bucket_groups) > 1, "several buckets: a gather per bucket"
+    for step in range(2):
+        rollout = _rollout(seed=20 + 10 * step + dp_rank)
+        for fused, (model, ddp, opt) in runs.items():
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            _run(ddp, cfg, rollout, _sampling(), "loss", fused)
+            assert opt.step()[0], "the optimizer step was skipped"
+        for name, p in runs[True][0].named_parameters():
+            q = dict(runs[False][0].named_parameters())[name]
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-5, msg=f"rank {rank} step {step} {name}")
+    for _, ddp, _ in runs.values():
+        ddp.start_param_sync(force_sync=True)
+
+
+def _errors_case(rank: int) -> None:
+    """What NeMo RL's config lets through and logitless cannot do: a ValueError naming the
+    option, on both ranks, before the decoder runs."""
+    model, _ = _setup(2, 1)
+    cfg = _config(2, 1, False)
+    forwards: list[int] = []
+    hook = model.decoder.register_forward_pre_hook(lambda *_: forwards.append(1))
+
+    def raises(match: str, other: bool, sampling, rollout=None) -> None:
+        with pytest.raises(ValueError) as caught:
+            _run(model, cfg, rollout or _rollout(), sampling, "logprobs", True)
+        want = "another rank" if other and rank == 0 else match
+        assert want in str(caught.value), (want, str(caught.value))
+
+    raises("policy.generation.temperature must be finite and > 0", False, _sampling(0.0))
+    raises("policy.generation.temperature must be finite and > 0", False, _sampling(float("nan")))
+    raises("policy.generation.top_p must be in (0, 1]", False, _sampling(top_p=1.5))
+    bad = _rollout()
+    if rank == 1:  # a token id outside the vocabulary, on one rank only
+        bad["input_ids"][1, 4] = V + 3
+    raises("labels", True, _sampling(), bad)
+    hook.remove()
+    assert forwards == [], "a bad option ran the decoder"
+
+
+CHECKS = {
+    "parity": _parity_case,
+    "bf16_main_grad": _bf16_main_grad_case,
+    "distributed_optimizer": _distributed_optimizer_case,
+    "errors": _errors_case,
+}
 
 
 def _run_checks(rank: int, world: int, checks: list) -> dict[str, str | None]:
@@ -332,6 +445,9 @@ TWO_RANKS = [
     ("parity:tp2_padded", (2, 1, False, False, False)),
     ("parity:tp2_packed_sp_topk", (2, 1, True, True, True)),
     ("parity:cp2_packed", (1, 2, True, False, False)),
+    ("bf16_main_grad", ()),
+    ("distributed_optimizer", ()),
+    ("errors", ()),
 ]
 
 
@@ -345,6 +461,20 @@ def _passed(results: list[dict], name: str) -> None:
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("name", [n for n, _ in TWO_RANKS])
+@pytest.mark.parametrize("name", [n for n, _ in TWO_RANKS if n.startswith("parity")])
 def test_parity_with_nemo_rl_logits_path_and_float64(two_ranks, name):
+    """fp32; TP=2 padded, TP=2 with sequence parallelism packed with top-k / top-p, the
+    temperature and the reference KL on unfiltered log-probs, CP=2 packed (zigzag)."""
     _passed(two_ranks, name)
+
+
+def test_bf16_main_grad_under_ddp(two_ranks):
+    _passed(two_ranks, "bf16_main_grad")
+
+
+def test_distributed_optimizer_overlap_param_gather(two_ranks):
+    _passed(two_ranks, "distributed_optimizer")
+
+
+def test_bad_input_raises_on_every_rank_before_the_decoder(two_ranks):
+    _passed(two_ranks, "errors")
