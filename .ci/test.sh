@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every test, after the README's install line: the main suite (pytest in this Python), then the
-# three suites that need venvs of their own (.ci/verl.sh: verl pins an older transformers;
-# .ci/megatron.sh and .ci/skyrl.sh: megatron-core 0.19 and skyrl 0.4 need Python 3.12), one
-# after another. Arguments go to the main suite's pytest.
+# suites that need venvs of their own (.ci/verl.sh: verl pins an older transformers;
+# .ci/megatron.sh, .ci/skyrl.sh and .ci/nemo_rl.sh: megatron-core 0.19, skyrl 0.4 and NeMo RL
+# need Python 3.12), one after another. Arguments go to the main suite's pytest.
 #
 # The three venvs are built in the background while the main suite runs (pip mostly downloads
 # and unpacks: about 5 minutes that no longer add to the run; its output goes to
@@ -13,7 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log=.ci-venvs.log
-(bash .ci/verl.sh install && bash .ci/megatron.sh install && bash .ci/skyrl.sh install) \
+(bash .ci/verl.sh install && bash .ci/megatron.sh install && bash .ci/skyrl.sh install \
+    && bash .ci/nemo_rl.sh install) \
     >"$log" 2>&1 &
 builder=$!
 
@@ -21,7 +22,8 @@ status=0
 python3 -m pytest -q "$@" || status=$?
 
 if ! wait "$builder"; then
-    echo "building the venvs failed (.ci/verl.sh, .ci/megatron.sh, .ci/skyrl.sh install):" >&2
+    echo "building the venvs failed (.ci/verl.sh, .ci/megatron.sh, .ci/skyrl.sh, .ci/nemo_rl.sh" \
+        "install):" >&2
     grep -v "^WARNING: Location" "$log" | tail -40 >&2
     exit 1
 fi
@@ -29,3 +31,4 @@ fi
 bash .ci/verl.sh test
 bash .ci/megatron.sh test
 bash .ci/skyrl.sh test
+bash .ci/nemo_rl.sh test
