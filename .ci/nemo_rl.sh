@@ -21,7 +21,7 @@ if [ "${1:-all}" != test ]; then
     "$VENV/bin/pip" install -q torch==2.13.0 'megatron-core>=0.19,<0.20' 'pytest>=7' numpy \
         'transformers>=5.5,<5.12' 'ray==2.57.0' pydantic pyzmq pynvml fastapi uvicorn requests \
         pillow hydra-core omegaconf torchdata mlflow swanlab wandb matplotlib prometheus_client \
-        rich tensorboard
+        rich tensorboard datasets soundfile tensordict
     "$VENV/bin/pip" install -q --no-deps -e .
 fi
 if [ "${1:-all}" != install ]; then

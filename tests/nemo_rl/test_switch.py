@@ -6,6 +6,7 @@ config containers they build are recorded arguments."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import subprocess
@@ -116,3 +117,80 @@ def test_uninstall_gives_nemo_rl_its_functions_back():
     finally:
         nemo.install()
     assert model_utils._gpt_forward_with_linear_ce_fusion is nemo.fused_forward
+
+
+# --- GRPO's setup (the driver) --------------------------------------------------------------
+
+PEER = Path(__file__).resolve().parents[3] / "shared" / "peers" / "nemo-rl"
+
+
+class _Reached(Exception):
+    """Raised where the test stops NeMo RL's ``grpo.setup``: after its loss function, before
+    it starts Ray clusters and vLLM."""
+
+
+def _grpo_config(tmp_path, backend: str):
+    """NeMo RL's reference GRPO config (its unit tests'), through its own loader, its Hydra
+    overrides (the ``+`` of a key the file does not have) and its pydantic ``MasterConfig``:
+    Megatron, packing on, top-k 50, the fused path with ``backend``."""
+    from nemo_rl.algorithms.grpo import MasterConfig
+    from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
+
+    register_omegaconf_resolvers()
+    cfg = load_config(str(PEER / "tests" / "unit" / "reference_configs" / "grpo_math_1B.yaml"))
+    cfg = parse_hydra_overrides(cfg, [
+        "policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.enabled=false",
+        "policy.megatron_cfg.use_fused_linear_logprobs=true",
+        f"+policy.megatron_cfg.fused_linear_logprobs_backend={backend}",
+        "policy.sequence_packing.enabled=true", "policy.generation.top_k=50",
+        "grpo.val_period=0", "logger.monitor_gpus=false", f"logger.log_dir={tmp_path}",
+        "checkpointing.enabled=false", f"checkpointing.checkpoint_dir={tmp_path}",
+    ])  # fmt: skip
+    return MasterConfig(**OmegaConf.to_container(cfg, resolve=True))
+
+
+def test_grpo_refusals_lifted(tmp_path, monkeypatch):
+    """NeMo RL's real ``grpo.setup`` with packing and top-k refuses its own fused path
+    ('not supported with sequence packing for GRPO') and passes with logitless: its loss
+    function is built (seen with the flag read as false there), the flag is true again after,
+    and the policy factory NeMo RL calls gives the workers the flag and the marked backend."""
+    from nemo_rl.algorithms import grpo
+
+    from logitless.integrations.nemo_rl import hooks
+
+    nemo.install(driver=True)  # the driver's part: grpo.setup
+    built, seen = [], []
+
+    def stop(*_a, **_k):
+        raise _Reached
+
+    spy = lambda cfg, use_fused_linear_logprobs=False: built.append(use_fused_linear_logprobs)  # noqa: E731
+    monkeypatch.setattr(grpo, "ClippedPGLossFn", spy)
+    monkeypatch.setattr(grpo, "_validate_use_kl_in_reward_compat", stop)
+    original = hooks._ORIGINAL[("nemo_rl.algorithms.grpo", "setup")]
+    factories: list = []
+
+    @functools.wraps(original)
+    def recording(*args, **kwargs):
+        factories.append(kwargs.get("policy_factory"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(hooks._ORIGINAL, ("nemo_rl.algorithms.grpo", "setup"), recording)
+    with pytest.raises(AssertionError, match="not supported with sequence packing for GRPO"):
+        grpo.setup(_grpo_config(tmp_path, "nemo"), None, list(range(64)), None)
+
+    master = _grpo_config(tmp_path, "logitless")
+
+    def factory(**kw):
+        seen.append(dict(kw["config"]["megatron_cfg"]))
+
+    with pytest.raises(_Reached):
+        grpo.setup(master, None, list(range(64)), None, policy_factory=factory)
+    assert built == [False], built  # NeMo RL's checks of its own forward saw it off
+    megatron = master.policy["megatron_cfg"]
+    assert megatron["use_fused_linear_logprobs"] is True
+    megatron["use_fused_linear_logprobs"] = False  # as during setup
+    factories[-1](config=master.policy)  # what grpo.setup's init_policy calls
+    assert seen[0]["use_fused_linear_logprobs"] is True
+    assert seen[0]["fused_linear_logprobs_backend"] is nemo.BACKEND

@@ -14,8 +14,9 @@ entropy. With one more key of the same config, the same path runs logitless::
         +policy.megatron_cfg.fused_linear_logprobs_backend=logitless
 
 (``python -m logitless.integrations.nemo_rl SCRIPT ARGS`` runs ``SCRIPT`` with this package
-imported; ``import logitless.integrations.nemo_rl`` at the top of a launch script does the
-same). NeMo RL's config keeps the key (its ``TypedDict`` configs pass unknown keys through
+installed; in a launch script of your own, ``import logitless.integrations.nemo_rl`` after
+``nemo_rl.algorithms.grpo`` is imported does the same, or call :func:`install` with
+``driver=True``). NeMo RL's config keeps the key (its ``TypedDict`` configs pass unknown keys through
 pydantic), and ``grpo.setup`` stores its value as :data:`BACKEND`, a ``str`` equal to
 ``"logitless"`` whose class lives here: each Ray worker NeMo RL sends the policy config to
 imports this package when it unpickles the config, before it builds its model, and so installs
@@ -112,7 +113,7 @@ def main() -> None:
     ``examples/run_grpo.py``, ...) as ``__main__`` with this package installed."""
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m logitless.integrations.nemo_rl SCRIPT [ARGS ...]")
-    install()
+    install(driver=True)
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

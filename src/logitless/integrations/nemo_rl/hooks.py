@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -56,10 +57,11 @@ def _original(module_name: str, name: str) -> Any:
     return _ORIGINAL[(module_name, name)]
 
 
-def install() -> None:
-    """Replace NeMo RL's functions in every part of it this process can import (idempotent):
-    the worker's (``model_utils``, ``megatron.train``, ``megatron.setup``) and the driver's
-    (``algorithms.grpo``)."""
+def install(driver: bool = False) -> None:
+    """Replace NeMo RL's functions (idempotent): the worker's (``model_utils``,
+    ``megatron.train``, ``megatron.setup``) where this process can import them, and the
+    driver's (``algorithms.grpo``) where it is imported already or ``driver`` (importing GRPO
+    costs seconds a Megatron worker need not spend)."""
     model_utils = _module(_MODEL_UTILS)
     if model_utils is not None:
         _NEMO.setdefault("forward", model_utils._gpt_forward_with_linear_ce_fusion)
@@ -75,7 +77,7 @@ def install() -> None:
     if setup is not None:
         _replace(setup, "_apply_parallelism_config", _lifted(_SETUP, "_apply_parallelism_config"))
         _replace(setup, "_create_megatron_config", _lifted(_SETUP, "_create_megatron_config"))
-    grpo = _module(_GRPO)
+    grpo = _module(_GRPO) if driver or _GRPO in sys.modules else None
     if grpo is not None:
         _replace(grpo, "setup", _grpo_setup)
 
