@@ -72,8 +72,10 @@ def _model(method: str, args):
 
     cp = 2 if method == "logitless_cp2" else 1
     init_parallel(args.tp, cp, gloo_groups=method == "logitless_overlap")
-    model = gpt_model(tp=args.tp, cp=cp, sequence_parallel=args.tp > 1, vocab=args.vocab,
-                      hidden=args.hidden, layers=args.layers, position_embedding_type="none")  # fmt: skip
+    model = gpt_model(
+        tp=args.tp, cp=cp, sequence_parallel=args.tp > 1, vocab=args.vocab, hidden=args.hidden,
+        layers=args.layers, position_embedding_type="none",
+    )  # fmt: skip
     if method != "logitless_overlap":
         return model, None, cp
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     by = {r["method"]: r for r in rows}
     if "nemo_fused" in by and "logitless" in by:
         a, b = by["logitless"], by["nemo_fused"]
-        print(f"logitless / nemo_fused: memory {a['peak_mb_per_rank'] / max(b['peak_mb_per_rank'], 1e-9):.2f}x, "
+        memory = a["peak_mb_per_rank"] / max(b["peak_mb_per_rank"], 1e-9)
+        print(f"logitless / nemo_fused: memory {memory:.2f}x, "
               f"time {a['time_s'] / max(b['time_s'], 1e-9):.2f}x")  # fmt: skip
     _append_csv(Path(args.csv), rows)
     return rows

@@ -116,7 +116,8 @@ def _microbatch(rollout: dict, cfg: dict):
     pad = (1, 1, None)
     if pack:
         pad = nd._get_pack_sequence_parameters_for_megatron(
-            cfg["megatron_cfg"], cfg["make_sequence_length_divisible_by"],
+            cfg["megatron_cfg"],
+            cfg["make_sequence_length_divisible_by"],
             rollout["input_ids"].shape[1],
         )
     inputs = nd.process_microbatch(
@@ -131,7 +132,9 @@ def _microbatch(rollout: dict, cfg: dict):
 def _loss_fn(fused: bool, kl: float = 0.01):
     from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
 
-    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=kl, ratio_clip_min=0.2, ratio_clip_max=0.28)
+    cfg = ClippedPGLossConfig(
+        reference_policy_kl_penalty=kl, ratio_clip_min=0.2, ratio_clip_max=0.28
+    )
     return ClippedPGLossFn(cfg, use_fused_linear_logprobs=fused)
 
 
@@ -392,14 +395,15 @@ def _distributed_optimizer_case(rank: int) -> None:
     assert len(runs[True][1].bucket_groups) > 1, "several buckets: a gather per bucket"
     for step in range(2):
         rollout = _rollout(seed=20 + 10 * step + dp_rank)
-        for fused, (model, ddp, opt) in runs.items():
+        for fused, (_, ddp, opt) in runs.items():
             ddp.zero_grad_buffer()
             opt.zero_grad()
             _run(ddp, cfg, rollout, _sampling(), "loss", fused)
             assert opt.step()[0], "the optimizer step was skipped"
         for name, p in runs[True][0].named_parameters():
             q = dict(runs[False][0].named_parameters())[name]
-            torch.testing.assert_close(p, q, rtol=0, atol=2e-5, msg=f"rank {rank} step {step} {name}")
+            what = f"rank {rank} step {step} {name}"
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-5, msg=what)
     for _, ddp, _ in runs.values():
         ddp.start_param_sync(force_sync=True)
 

@@ -134,7 +134,11 @@ def _grpo_config(tmp_path, backend: str):
     overrides (the ``+`` of a key the file does not have) and its pydantic ``MasterConfig``:
     Megatron, packing on, top-k 50, the fused path with ``backend``."""
     from nemo_rl.algorithms.grpo import MasterConfig
-    from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
+    from nemo_rl.utils.config import (
+        load_config,
+        parse_hydra_overrides,
+        register_omegaconf_resolvers,
+    )
     from omegaconf import OmegaConf
 
     register_omegaconf_resolvers()

@@ -98,9 +98,7 @@ class Batch:
         prepared = None
         try:
             stand_in = Head(weight, head.model.output_layer.bias, logit_scale(head.model))
-            prepared = seam.prepare(
-                self.target, stand_in, options, sampler, parallel=head.parallel
-            )
+            prepared = seam.prepare(self.target, stand_in, options, sampler, parallel=head.parallel)
         except ValueError as e:
             error = e
         agree(head, error, _WHERE)

@@ -1,7 +1,7 @@
 """NeMo RL's Megatron backend: logitless behind ``policy.megatron_cfg.use_fused_linear_logprobs``.
 
 NeMo RL (NVIDIA-NeMo/RL, its Megatron policy worker on megatron-core) computes per-token
-log-probs from the hidden states when ``policy.megatron_cfg.use_fused_linear_logprobs=true``:
+log-probs from the hidden states with ``policy.megatron_cfg.use_fused_linear_logprobs=true``:
 it replaces ``GPTModel.forward`` by a chunked linear log-prob
 (``nemo_rl/distributed/model_utils.py``) and its LOGPROB losses (``ClippedPGLossFn``,
 ``NLLLossFn``, ``DPOLossFn``) get ``[B, S−1]`` log-probs instead of logits. That path refuses
@@ -16,8 +16,8 @@ entropy. With one more key of the same config, the same path runs logitless::
 (``python -m logitless.integrations.nemo_rl SCRIPT ARGS`` runs ``SCRIPT`` with this package
 installed; in a launch script of your own, ``import logitless.integrations.nemo_rl`` after
 ``nemo_rl.algorithms.grpo`` is imported does the same, or call :func:`install` with
-``driver=True``). NeMo RL's config keeps the key (its ``TypedDict`` configs pass unknown keys through
-pydantic), and ``grpo.setup`` stores its value as :data:`BACKEND`, a ``str`` equal to
+``driver=True``). NeMo RL's config keeps the key (its ``TypedDict`` configs pass unknown keys
+through pydantic), and ``grpo.setup`` stores its value as :data:`BACKEND`, a ``str`` equal to
 ``"logitless"`` whose class lives here: each Ray worker NeMo RL sends the policy config to
 imports this package when it unpickles the config, before it builds its model, and so installs
 it there too.
@@ -59,8 +59,8 @@ from .hooks import (
     installed,
     prepare_logitless,
     selected,
-    uninstall,
     unfused,
+    uninstall,
 )
 
 __all__ = [

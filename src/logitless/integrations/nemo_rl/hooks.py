@@ -210,7 +210,8 @@ def _lifted(module_name: str, name: str) -> Callable[..., Any]:
     path) / ``_create_megatron_config`` (refuses ``overlap_param_gather``), run on
     :func:`unfused`'s view of the policy config: logitless's head runs inside
     ``output_layer``'s forward and splits documents over the context-parallel group."""
-    original = _ORIGINAL.get((module_name, name)) or getattr(importlib.import_module(module_name), name)
+    module = importlib.import_module(module_name)
+    original = _ORIGINAL.get((module_name, name)) or getattr(module, name)
     signature = inspect.signature(original)
 
     def lifted(*args: Any, **kwargs: Any):
