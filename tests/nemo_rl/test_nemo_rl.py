@@ -433,11 +433,52 @@ def _errors_case(rank: int) -> None:
     assert forwards == [], "a bad option ran the decoder"
 
 
+class _EntropyLoss:
+    """A LOGPROB loss of a user's that reads the entropy logitless hands it
+    (``fused_linear_logprobs_entropy: true``): ``Σ up · H`` over the trained tokens."""
+
+    def __init__(self, up: torch.Tensor) -> None:
+        from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+
+        self.input_type, self.loss_type = LossInputType.LOGPROB, LossType.TOKEN_LEVEL
+        self.use_fused_linear_logprobs, self.up = True, up
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
+        mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+        loss = (data["entropy"] * self.up * mask).sum()
+        return loss, {"loss": loss.item()}
+
+
+def _entropy_case(rank: int) -> None:
+    """The entropy at the temperature and its gradient, handed to a loss through NeMo RL's
+    ``LossPostProcessor`` (TP=2, padded), against the entropy of the tensor-parallel-gathered
+    logits of the model's own forward, fp32 and float64."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    model, truth = _setup(2, 1)
+    cfg = _config(2, 1, False)
+    cfg["megatron_cfg"]["fused_linear_logprobs_entropy"] = True
+    rollout, t = _rollout(seed=4), 0.7
+    up = torch.randn(B, S - 1, generator=torch.Generator().manual_seed(9))
+    mask = rollout["token_mask"][:, 1:]
+    out = _run(model, cfg, rollout, _sampling(t), "loss", True, _EntropyLoss(up))
+    results = [dict(out=torch.tensor(out["loss"]).double(), **_grads(model))]
+    for m in (model, truth):
+        logits = m(rollout["input_ids"], None, None)  # [B, S, V/tp]
+        full = gather_from_tensor_model_parallel_region(logits)[:, :-1] / t
+        ent = -(full.softmax(-1) * full.log_softmax(-1)).sum(-1)
+        loss = (ent * up.to(ent.dtype) * mask.to(ent.dtype)).sum()
+        loss.backward()
+        results.append(dict(out=loss.detach().double(), **_grads(m)))
+    _compare(results, f"rank {rank} entropy", S * B * FLOOR)
+
+
 CHECKS = {
     "parity": _parity_case,
     "bf16_main_grad": _bf16_main_grad_case,
     "distributed_optimizer": _distributed_optimizer_case,
     "errors": _errors_case,
+    "entropy": _entropy_case,
 }
 
 
@@ -469,6 +510,7 @@ TWO_RANKS = [
     ("parity:tp2_packed_sp_topk", (2, 1, True, True, True)),
     ("parity:cp2_packed", (1, 2, True, False, False)),
     ("bf16_main_grad", ()),
+    ("entropy", ()),
 ]
 # Megatron's gloo copies of its groups (the distributed optimizer's) in a launch of their own
 OPTIMIZER_RANKS = [("distributed_optimizer", ()), ("errors", ())]
@@ -494,6 +536,10 @@ def test_parity_with_nemo_rl_logits_path_and_float64(two_ranks, name):
     """fp32; TP=2 padded, TP=2 with sequence parallelism packed with top-k / top-p, the
     temperature and the reference KL on unfiltered log-probs, CP=2 packed (zigzag)."""
     _passed(two_ranks, name)
+
+
+def test_entropy_and_its_gradient_for_a_loss(two_ranks):
+    _passed(two_ranks, "entropy")
 
 
 def test_bf16_main_grad_under_ddp(two_ranks):

@@ -48,15 +48,16 @@ from __future__ import annotations
 
 import runpy
 import sys
-from typing import Any
 
 from .forward import Extras, fused_forward, logitless_output
 from .hooks import (
+    BACKEND,
     ENTROPY_KEY,
     KEY,
     VALUE,
     install,
     installed,
+    mark,
     prepare_logitless,
     selected,
     unfused,
@@ -67,6 +68,7 @@ __all__ = [
     "BACKEND",
     "ENTROPY_KEY",
     "KEY",
+    "VALUE",
     "Extras",
     "fused_forward",
     "install",
@@ -79,33 +81,6 @@ __all__ = [
     "uninstall",
     "unfused",
 ]
-
-
-class _Backend(str):
-    """``"logitless"``, of a class of this package: unpickling it imports the package (and so
-    installs it) in every process NeMo RL hands the config to."""
-
-    __slots__ = ()
-
-    def __reduce__(self):
-        return (_backend, ())
-
-
-def _backend() -> _Backend:
-    return BACKEND
-
-
-#: The value ``policy.megatron_cfg.fused_linear_logprobs_backend`` holds once marked; equal to
-#: ``"logitless"``.
-BACKEND = _Backend(VALUE)
-
-
-def mark(policy_config: Any) -> None:
-    """Store :data:`BACKEND` as the backend of a policy config that selects logitless, so every
-    process the config is pickled to imports this package (``grpo.setup`` does it; call it on
-    the policy config before NeMo RL's ``Policy`` is built in other algorithms' setups)."""
-    if selected(policy_config):
-        policy_config["megatron_cfg"][KEY] = BACKEND
 
 
 def main() -> None:

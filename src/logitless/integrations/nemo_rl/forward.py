@@ -43,7 +43,16 @@ from ..megatron.batch import Batch, in_output_processor
 from ..megatron.model import agree, megatron_head
 from .layout import Packing, next_token_labels, unpack
 
-__all__ = ["Extras", "Step", "fused_forward", "logitless_output", "options_of"]
+__all__ = [
+    "NEMO",
+    "STEP",
+    "Extras",
+    "Recorder",
+    "Step",
+    "fused_forward",
+    "logitless_output",
+    "options_of",
+]
 
 _WHERE = "NeMo RL with policy.megatron_cfg.fused_linear_logprobs_backend=logitless"
 
@@ -120,15 +129,16 @@ def options_of(sampling: Any) -> tuple[HeadOptions, SamplerOptions | None]:
     return HeadOptions(temperature=float(t)), sampler
 
 
-_NEMO: dict[str, Callable[..., Any]] = {}  # NeMo RL's own fused forward (hooks.install sets it)
+#: NeMo RL's own fused forward, ``{"forward": ...}`` (set by :func:`~.hooks.install`).
+NEMO: dict[str, Callable[..., Any]] = {}
 
 
 def fused_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``GPTModel.forward`` under NeMo RL's fused-linear-logprobs patch (see the module)."""
     step = STEP.get()
     if step is None or not kwargs.get("return_logprobs_for_linear_ce_fusion", False):
-        return _NEMO["forward"](self, *args, **kwargs)
-    bound = inspect.signature(_NEMO["forward"]).bind(self, *args, **kwargs)
+        return NEMO["forward"](self, *args, **kwargs)
+    bound = inspect.signature(NEMO["forward"]).bind(self, *args, **kwargs)
     call = dict(bound.arguments)
     call.pop("self")
     call.pop("return_logprobs_for_linear_ce_fusion")

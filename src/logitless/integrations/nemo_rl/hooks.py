@@ -13,15 +13,43 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .forward import _NEMO, STEP, Recorder, Step, fused_forward, logitless_output
+from .forward import NEMO, STEP, Recorder, Step, fused_forward, logitless_output
 
-__all__ = ["KEY", "VALUE", "install", "installed", "selected", "uninstall"]
+__all__ = ["BACKEND", "KEY", "VALUE", "install", "installed", "mark", "selected", "uninstall"]
 
 #: The key of ``policy.megatron_cfg`` that selects the fused path's backend, and its value.
 KEY = "fused_linear_logprobs_backend"
 VALUE = "logitless"
 #: ``policy.megatron_cfg`` key: hand the loss the entropy (``data["entropy"]``), differentiable.
 ENTROPY_KEY = "fused_linear_logprobs_entropy"
+
+
+class _Backend(str):
+    """``"logitless"``, of a class of this package: unpickling it imports the package (and so
+    installs it) in every process NeMo RL hands the config to."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_backend, ())
+
+
+def _backend() -> _Backend:
+    return BACKEND
+
+
+#: The value ``policy.megatron_cfg.fused_linear_logprobs_backend`` holds once marked; equal to
+#: ``"logitless"``.
+BACKEND = _Backend(VALUE)
+
+
+def mark(policy_config: Any) -> None:
+    """Store :data:`BACKEND` as the backend of a policy config that selects logitless, so every
+    process the config is pickled to imports this package (``grpo.setup`` does it; call it on
+    the policy config before NeMo RL's ``Policy`` is built in other algorithms' setups)."""
+    if selected(policy_config):
+        policy_config["megatron_cfg"][KEY] = BACKEND
+
 
 _MODEL_UTILS = "nemo_rl.distributed.model_utils"
 _TRAIN = "nemo_rl.models.megatron.train"
@@ -64,7 +92,7 @@ def install(driver: bool = False) -> None:
     costs seconds a Megatron worker need not spend)."""
     model_utils = _module(_MODEL_UTILS)
     if model_utils is not None:
-        _NEMO.setdefault("forward", model_utils._gpt_forward_with_linear_ce_fusion)
+        NEMO.setdefault("forward", model_utils._gpt_forward_with_linear_ce_fusion)
         _replace(model_utils, "_gpt_forward_with_linear_ce_fusion", fused_forward)
     train = _module(_TRAIN)
     if train is not None:
@@ -234,8 +262,6 @@ def _grpo_setup(*args: Any, **kwargs: Any):
     ``True``, and the returned loss function has it set); the backend's value becomes
     :data:`~logitless.integrations.nemo_rl.BACKEND`, which imports logitless in every process
     the config is sent to."""
-    from . import mark
-
     original = _original(_GRPO, "setup")
     bound = inspect.signature(original).bind(*args, **kwargs)
     policy = bound.arguments["master_config"].policy
