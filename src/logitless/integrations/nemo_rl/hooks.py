@@ -7,6 +7,7 @@ Part of :mod:`logitless.integrations.nemo_rl` (whose docstring lists them as a t
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import inspect
 import sys
@@ -15,7 +16,17 @@ from typing import Any
 
 from .forward import NEMO, STEP, Recorder, Step, fused_forward, logitless_output
 
-__all__ = ["BACKEND", "KEY", "VALUE", "install", "installed", "mark", "selected", "uninstall"]
+__all__ = [
+    "BACKEND",
+    "KEY",
+    "VALUE",
+    "backend",
+    "install",
+    "installed",
+    "mark",
+    "selected",
+    "uninstall",
+]
 
 #: The key of ``policy.megatron_cfg`` that selects the fused path's backend, and its value.
 KEY = "fused_linear_logprobs_backend"
@@ -25,22 +36,24 @@ ENTROPY_KEY = "fused_linear_logprobs_entropy"
 
 
 class _Backend(str):
-    """``"logitless"``, of a class of this package: unpickling it imports the package (and so
-    installs it) in every process NeMo RL hands the config to."""
+    """``"logitless"``, of a class of this package, pickled by reference to :data:`BACKEND`
+    (``copyreg``, which Ray's cloudpickle follows too): unpickling it imports the package, and
+    so installs it, in every process NeMo RL hands the config to."""
 
     __slots__ = ()
-
-    def __reduce__(self):
-        return (_backend, ())
-
-
-def _backend() -> _Backend:
-    return BACKEND
 
 
 #: The value ``policy.megatron_cfg.fused_linear_logprobs_backend`` holds once marked; equal to
 #: ``"logitless"``.
 BACKEND = _Backend(VALUE)
+
+
+def backend() -> _Backend:
+    """:data:`BACKEND`: what unpickling a marked config calls."""
+    return BACKEND
+
+
+copyreg.pickle(_Backend, lambda _: (backend, ()))
 
 
 def mark(policy_config: Any) -> None:
