@@ -61,10 +61,10 @@ SHAPE = Shape()
 
 
 def _config(tp: int, cp: int, packed: bool, sp: bool = False, backend: str = "logitless",
-            fuse_loss: bool = False) -> dict:  # fmt: skip
+            pp: int = 1) -> dict:  # fmt: skip
     multiple = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
     return {
-        "sequence_packing": {"enabled": packed, "fuse_loss": fuse_loss},
+        "sequence_packing": {"enabled": packed, "fuse_loss": False},
         "dynamic_batching": {"enabled": False},
         "make_sequence_length_divisible_by": multiple,
         "logprob_chunk_size": None,
@@ -74,7 +74,7 @@ def _config(tp: int, cp: int, packed: bool, sp: bool = False, backend: str = "lo
             "fused_linear_logprobs_backend": backend,
             "tensor_model_parallel_size": tp,
             "context_parallel_size": cp,
-            "pipeline_model_parallel_size": 1,
+            "pipeline_model_parallel_size": pp,
             "sequence_parallel": sp,
         },
     }
@@ -156,20 +156,23 @@ def _run(model, cfg: dict, rollout: dict, sampling, what: str, fused: bool, loss
         global_valid_seqs=rollout["sample_mask"].sum(), global_valid_toks=mask.sum(),
         sampling_params=sampling, use_fused_linear_logprobs=fused,
     )  # fmt: skip
-    return out[0]
+    return out[0] if out else None  # a pipeline stage without the head reports nothing
 
 
 # --- the three paths ---------------------------------------------------------------------
 
 
-def _setup(tp: int, cp: int, sp: bool = False, dtype=torch.float32, seed: int = 0):
+def _setup(tp: int, cp: int, sp: bool = False, pp: int = 1, seed: int = 0):
+    """This rank's model (its pipeline stage of ``pp``) and a float64 copy."""
     from _megatron_shim import gpt_model, init_parallel
 
-    init_parallel(tp, cp)
+    init_parallel(tp, cp, pp)
 
-    def build(dtype=dtype):
-        return gpt_model(tp=tp, cp=cp, sequence_parallel=sp, vocab=V, dtype=dtype, seed=seed,
-                         position_embedding_type="none")  # fmt: skip
+    def build(dtype=torch.float32):
+        return gpt_model(
+            tp=tp, cp=cp, sequence_parallel=sp, vocab=V, dtype=dtype, seed=seed, pp=pp,
+            layers=2 if pp > 1 else 1, position_embedding_type="none",
+        )  # fmt: skip
 
     model = build()
     truth = build(torch.float64)
@@ -260,8 +263,11 @@ def _three_ways(model, truth, cfg, rollout, sampling, what: str, loss_fn=None) -
         ctx = _float64_truth() if m is truth else contextlib.nullcontext()
         with ctx:
             out = _run(m, cfg, rollout, sampling, what, fused, loss_fn)
-        value = out["logprobs"] if what == "logprobs" else torch.tensor(out["loss"])
-        results.append(dict(out=value.double(), **(_grads(m) if what == "loss" else {})))
+        row = _grads(m) if what == "loss" else {}
+        if out is not None:
+            value = out["logprobs"] if what == "logprobs" else torch.tensor(out["loss"])
+            row["out"] = value.double()
+        results.append(row)
     return results
 
 
@@ -285,10 +291,14 @@ def _sampling(temperature=1.0, top_k=None, top_p=1.0):
 # --- the checks ---------------------------------------------------------------------------
 
 
-def _parity_case(rank: int, tp: int, cp: int, packed: bool, sp: bool, sampled: bool) -> None:
-    """The previous log-probs and the GRPO loss step, three ways (module docstring)."""
-    model, truth = _setup(tp, cp, sp)
-    cfg = _config(tp, cp, packed, sp)
+def _parity_case(
+    rank: int, tp: int, cp: int, packed: bool, sp: bool, sampled: bool, pp: int = 1
+) -> None:
+    """The previous log-probs and the GRPO loss step, three ways (module docstring); with
+    ``pp`` stages, each rank compares its own stage's gradients (the log-probs and the loss
+    live on the last)."""
+    model, truth = _setup(tp, cp, sp, pp)
+    cfg = _config(tp, cp, packed, sp, pp=pp)
     sampling = _sampling(0.7, 40, 0.9) if sampled else _sampling(0.7)
     rollout = _rollout(ids=_sampled_ids(model, sampling) if sampled else None)
     floor = S * B * FLOOR
@@ -296,7 +306,8 @@ def _parity_case(rank: int, tp: int, cp: int, packed: bool, sp: bool, sampled: b
     _compare(logp, f"rank {rank} logprobs", floor)
     if sampled:  # every sampled token in its kept set: no -inf, no position masked
         assert torch.isfinite(logp[0]["out"]).all()
-    rollout["prev_logprobs"] = logp[1]["out"].detach().float() + 0.02 * torch.randn(B, S)
+    if logp[1]:  # the last pipeline stage
+        rollout["prev_logprobs"] = logp[1]["out"].detach().float() + 0.02 * torch.randn(B, S)
     _compare(_three_ways(model, truth, cfg, rollout, sampling, "loss"), f"rank {rank} loss", floor)
 
 
@@ -509,6 +520,7 @@ TWO_RANKS = [
     ("parity:tp2_padded", (2, 1, False, False, False)),
     ("parity:tp2_packed_sp_topk", (2, 1, True, True, True)),
     ("parity:cp2_packed", (1, 2, True, False, False)),
+    ("parity:pp2_padded", (1, 1, False, False, False, 2)),
     ("bf16_main_grad", ()),
     ("entropy", ()),
 ]
