@@ -546,7 +546,7 @@ def _passed(results: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", [n for n, _ in TWO_RANKS if n.startswith("parity")])
 def test_parity_with_nemo_rl_logits_path_and_float64(two_ranks, name):
     """fp32; TP=2 padded, TP=2 with sequence parallelism packed with top-k / top-p, the
-    temperature and the reference KL on unfiltered log-probs, CP=2 packed (zigzag)."""
+    temperature and the reference KL on unfiltered log-probs, CP=2 packed (zigzag), PP=2."""
     _passed(two_ranks, name)
 
 
