@@ -439,7 +439,8 @@ def _errors_case(rank: int) -> None:
     bad = _rollout()
     if rank == 1:  # a token id outside the vocabulary, on one rank only
         bad["input_ids"][1, 4] = V + 3
-    raises("labels", True, _sampling(), bad)
+    raises(f"input_ids (the rollout's token ids, NeMo RL's labels for the fused path) must be "
+           f"in [0, {V})", True, _sampling(), bad)  # fmt: skip
     hook.remove()
     assert forwards == [], "a bad option ran the decoder"
 

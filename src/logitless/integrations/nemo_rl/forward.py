@@ -159,9 +159,10 @@ def _head(model, step: Step, original: Callable[..., Any], call: dict[str, Any])
     packing = None
     if params is not None:
         packing = Packing(params, head.cp_rank, head.cp_size, ids.device)
-    error, prepared = None, ()
+    error = None
     try:
         options, sampler = options_of(step.sampling)
+        _check_ids(ids, model.output_layer.output_size_per_partition * head.tp_size)
     except ValueError as e:
         error = e
     agree(head, error, _WHERE)
@@ -181,6 +182,19 @@ def _head(model, step: Step, original: Callable[..., Any], call: dict[str, Any])
         lambda: original(*batch.args, **batch.kwargs),
     )
     return _output(results, sampler is not None, packing, cp_group, step.batches.width())
+
+
+def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+    """The rollout's token ids (NeMo RL hands them as the labels) in ``[0, vocab)``: one host
+    read."""
+    if ids.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"input_ids (the rollout's token ids, NeMo RL's labels for the fused path) must be "
+            f"in [0, {vocab}) (the output layer's vocabulary), got ids in [{low}, {high}]"
+        )
 
 
 def _output(results, filtered: bool, packing, cp_group, width) -> torch.Tensor:
