@@ -61,10 +61,10 @@ SHAPE = Shape()
 
 
 def _config(tp: int, cp: int, packed: bool, sp: bool = False, backend: str = "logitless",
-            pp: int = 1) -> dict:  # fmt: skip
+            pp: int = 1, fuse_loss: bool = False) -> dict:  # fmt: skip
     multiple = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
     return {
-        "sequence_packing": {"enabled": packed, "fuse_loss": False},
+        "sequence_packing": {"enabled": packed, "fuse_loss": fuse_loss},
         "dynamic_batching": {"enabled": False},
         "make_sequence_length_divisible_by": multiple,
         "logprob_chunk_size": None,
@@ -292,13 +292,21 @@ def _sampling(temperature=1.0, top_k=None, top_p=1.0):
 
 
 def _parity_case(
-    rank: int, tp: int, cp: int, packed: bool, sp: bool, sampled: bool, pp: int = 1
+    rank: int,
+    tp: int,
+    cp: int,
+    packed: bool,
+    sp: bool,
+    sampled: bool,
+    pp: int = 1,
+    fuse_loss: bool = False,
 ) -> None:
     """The previous log-probs and the GRPO loss step, three ways (module docstring); with
     ``pp`` stages, each rank compares its own stage's gradients (the log-probs and the loss
-    live on the last)."""
+    live on the last). ``fuse_loss``: NeMo RL's ``SequencePackingFusionLossWrapper`` (one
+    loss call over the packed batch) instead of its per-sequence ``SequencePackingLossWrapper``."""
     model, truth = _setup(tp, cp, sp, pp)
-    cfg = _config(tp, cp, packed, sp, pp=pp)
+    cfg = _config(tp, cp, packed, sp, pp=pp, fuse_loss=fuse_loss)
     sampling = _sampling(0.7, 40, 0.9) if sampled else _sampling(0.7)
     rollout = _rollout(ids=_sampled_ids(model, sampling) if sampled else None)
     floor = S * B * FLOOR
@@ -520,7 +528,7 @@ def _run_checks(rank: int, world: int, checks: list) -> dict[str, str | None]:
 TWO_RANKS = [
     ("parity:tp2_padded", (2, 1, False, False, False)),
     ("parity:tp2_packed_sp_topk", (2, 1, True, True, True)),
-    ("parity:cp2_packed", (1, 2, True, False, False)),
+    ("parity:cp2_packed_fuse_loss", (1, 2, True, False, False, 1, True)),
     ("parity:pp2_padded", (1, 1, False, False, False, 2)),
     ("bf16_main_grad", ()),
     ("entropy", ()),
