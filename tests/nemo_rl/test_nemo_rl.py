@@ -312,8 +312,9 @@ def _parity_case(
     floor = S * B * FLOOR
     logp = _three_ways(model, truth, cfg, rollout, sampling, "logprobs")
     _compare(logp, f"rank {rank} logprobs", floor)
-    if sampled:  # every sampled token in its kept set: no -inf, no position masked
+    if sampled:  # -inf where the token is outside the kept set, masked by NeMo RL to 0
         assert torch.isfinite(logp[0]["out"]).all()
+        assert logp[0]["out"][1, OUTSIDE] == 0 == logp[1]["out"][1, OUTSIDE]
     if logp[1]:  # the last pipeline stage
         rollout["prev_logprobs"] = logp[1]["out"].detach().float() + 0.02 * torch.randn(B, S)
     _compare(_three_ways(model, truth, cfg, rollout, sampling, "loss"), f"rank {rank} loss", floor)
@@ -340,7 +341,13 @@ def _sampled_ids(model, sampling) -> torch.Tensor:
     ids[:, 0] = torch.randint(0, V, (B,), generator=g)
     for t in range(1, S):
         ids[:, t] = torch.multinomial(probs[ids[:, t - 1]].float(), 1, generator=g)[:, 0]
+    # one token outside its kept set (the least likely one), the last of sequence 1: both paths
+    # give its log-prob -inf and NeMo RL masks the position (OUTSIDE)
+    ids[1, OUTSIDE] = table[ids[1, OUTSIDE - 1]].argmin()
     return ids
+
+
+OUTSIDE = LENGTHS[1] - 1  # its log-prob is at position OUTSIDE of [B, S] (a 0 prepended)
 
 
 def _ddp(model, **ddp):
