@@ -2,7 +2,7 @@
 # Every test, after the README's install line: the main suite (pytest in this Python), then the
 # suites that need venvs of their own, one after another (SUITES below, each .ci/<suite>.sh):
 # verl (it pins an older transformers); megatron (megatron-core 0.19), skyrl (skyrl 0.4),
-# prime_rl, slime and fast_llm (the vendored trainers' source in ../shared/peers), all on
+# nemo_rl, prime_rl, slime and fast_llm (the vendored trainers' source in ../shared/peers), all on
 # Python 3.12 over one shared layer (.ci/_python312.sh); torchtitan (0.3, without the
 # dependencies that would move the main suite's). Arguments go to the main suite's pytest.
 #
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SUITES=(verl megatron skyrl prime_rl slime fast_llm torchtitan)
+SUITES=(verl megatron skyrl nemo_rl prime_rl slime fast_llm torchtitan)
 
 log=.ci-venvs.log
 (for suite in "${SUITES[@]}"; do bash ".ci/$suite.sh" install || exit 1; done) >"$log" 2>&1 &

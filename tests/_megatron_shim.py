@@ -198,12 +198,14 @@ def gpt_model(
     pp: int = 1,
     vpp: int | None = None,
     vp_stage: int | None = None,
+    position_embedding_type: str = "learned_absolute",
     **config: object,
 ):
     """A tiny GPTModel, the same full weights on every rank (each rank holds its shards);
     ``config``: more TransformerConfig fields (``use_mup=True``, ...). ``pp``: this rank's
     pipeline stage of ``layers`` layers (``parallel_state``'s pipeline rank); with ``vpp``,
-    its model chunk ``vp_stage`` (of ``vpp`` per pipeline rank)."""
+    its model chunk ``vp_stage`` (of ``vpp`` per pipeline rank). ``position_embedding_type``:
+    GPTModel's (``"none"`` where the caller sends no position ids)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -234,6 +236,7 @@ def gpt_model(
             max_sequence_length=256,
             parallel_output=True,
             share_embeddings_and_output_weights=tied,
+            position_embedding_type=position_embedding_type,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             **({} if vp_stage is None else {"vp_stage": vp_stage}),

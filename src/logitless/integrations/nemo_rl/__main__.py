@@ -1,0 +1,6 @@
+"""``python -m logitless.integrations.nemo_rl SCRIPT ARGS``: NeMo RL's launch script with
+logitless installed (:func:`logitless.integrations.nemo_rl.main`)."""
+
+from . import main
+
+main()
