@@ -3,4 +3,5 @@ logitless installed (:func:`logitless.integrations.nemo_rl.main`)."""
 
 from . import main
 
-main()
+if __name__ == "__main__":
+    main()
