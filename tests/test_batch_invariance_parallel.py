@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._dist import spawn
+from _dist import spawn
 
 pytestmark = pytest.mark.slow
 
