@@ -12,6 +12,9 @@ import torch
 
 #: Integer dtypes accepted for ids (labels, kept ids, top-k): compared as int64 after reading.
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+#: Slack allowed on given log-probs above 0 and on a position's mass Σ exp(logprobs) above 1
+#: (rounding of a server's log-probs: a sparse teacher's, the rollout engine's top-k).
+MASS_SLACK = 1e-3
 
 
 def fmt_shape(t: torch.Tensor) -> str:
