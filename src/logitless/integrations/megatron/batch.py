@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...contract.options import IGNORE_INDEX, HeadOptions
+from ...contract.options import IGNORE_INDEX, HeadOptions, SamplerOptions
 from .. import seam
 from ..seam import Head, Prepared, Tokens
 from .gradients import with_grad_into
@@ -88,12 +88,14 @@ class Batch:
         *,
         shared: bool = False,
         weight: torch.Tensor | None = None,
+        sampler: SamplerOptions | None = None,
     ) -> Prepared:
         """The head call checked before the model runs (labels, temperature, chunk size,
         dtypes, the vocabulary split), with the weight gradient's destination under
         gradient-accumulation ``fusion`` (:func:`~.gradients.with_grad_into`; ``shared``:
         the weight gets another gradient too). ``weight``: the weight the model will hand
         ``output_layer`` when it is not its own (an ``output_processor``'s tied weight).
+        ``sampler``: the call's sampler options (the rollout engine's top-k), or None.
         Raises ``ValueError`` on every rank of the tensor- and context-parallel groups."""
         head = self.head
         weight = head_weight(head) if weight is None else weight
@@ -107,7 +109,7 @@ class Batch:
         prepared = None
         try:
             stand_in = Head(weight, head.model.output_layer.bias, logit_scale(head.model))
-            prepared = seam.prepare(self.target, stand_in, options, parallel=head.parallel)
+            prepared = seam.prepare(self.target, stand_in, options, sampler, parallel=head.parallel)
         except ValueError as e:
             error = e
         agree(head, error, _WHERE)
