@@ -12,7 +12,7 @@ from . import advantages, losses, packing, parallel, reference  # noqa: F401  (i
 from .accumulation import StepAccumulator
 from .contract.divergence import TeacherTopK
 from .contract.options import WeightGradInto
-from .contract.rollout import RolloutTopK
+from .contract.sampling import RolloutTopK
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
 from .modules import DivergenceHead, LinearLogprobs, LogprobHead, PolicyLossHead
 from .ops.divergence.op import linear_divergence

@@ -16,7 +16,7 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypedDict, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypedDict, TypeVar
 
 import torch
 
@@ -26,11 +26,8 @@ from .checks import (
     optional_positive_float,
     positive_finite_float,
 )
-from .sampling import SamplingMask
+from .sampling import RolloutTopK, SamplingMask
 from .vocab import VocabParallel
-
-if TYPE_CHECKING:  # .rollout checks with the call's tensors (and imports .replay, which imports us)
-    from .rollout import RolloutTopK
 
 Backend = Literal["auto", "triton", "torch"]
 

@@ -18,37 +18,9 @@ import torch
 
 from .checks import INT_DTYPES, MASS_SLACK, check_full_precision, fmt_shape
 from .replay import check_csr_ids
+from .sampling import RolloutTopK
 
 __all__ = ["RolloutRows", "RolloutTopK", "check_rollout_topk"]
-
-
-class RolloutTopK(NamedTuple):
-    """The rollout engine's top-k log-probs at each label position, as the engine returns them.
-
-    token_ids: ``[*labels.shape, k]`` integer global vocabulary ids; ``pad_id`` in the slots a
-        position does not use (``k`` may vary per position). The ids of a position are
-        distinct, in any order; the sampled token may be one of them.
-    logprobs: ``[*labels.shape, k]`` float32 / float64 log-probabilities of those ids under the
-        engine's distribution (``<= 0``; ``-inf`` is a probability of 0, as vLLM's processed
-        log-probs give the tokens its sampler masked); the values at unused slots are not read.
-    pad_id: the id of an unused slot (any other id outside ``[0, V)`` is an error).
-
-    A position whose slots are all unused is not compared (``RolloutMismatch.compared`` is
-    False there).
-
-    Example:
-        >>> import torch
-        >>> topk = RolloutTopK(
-        ...     token_ids=torch.tensor([[[5, 9], [2, -1]]]),         # [B=1, T=2, k=2]
-        ...     logprobs=torch.tensor([[[-0.1, -2.5], [-0.3, 0.0]]]),
-        ... )
-        >>> int((topk.token_ids != topk.pad_id).sum())
-        3
-    """
-
-    token_ids: torch.Tensor
-    logprobs: torch.Tensor
-    pad_id: int = -1
 
 
 class RolloutRows(NamedTuple):

@@ -66,7 +66,7 @@ def rollout_mismatch_metrics(
     mass where the trainer has a tail) makes the means infinite: they are reported as they are.
 
     >>> import torch, logitless
-    >>> from logitless.contract.rollout import RolloutTopK
+    >>> from logitless import RolloutTopK
     >>> hidden, weight = torch.randn(2, 5, 8), torch.randn(50, 8)
     >>> labels = torch.randint(0, 50, (2, 5))
     >>> top = torch.randn(2, 5, 50).log_softmax(-1).topk(4)
