@@ -47,14 +47,8 @@ def problem(
     engine = (z + noise * torch.randn(z.shape, generator=g, dtype=torch.float64)).log_softmax(-1)
     flat = engine.reshape(-1, V)
     labels = torch.multinomial(flat.exp(), 1, generator=g).reshape(shape)
-    top = flat.topk(k)
-    ids = torch.full((flat.shape[0], k + 1), -1, dtype=torch.int64)
-    lps = torch.zeros(flat.shape[0], k + 1, dtype=torch.float32)
-    ids[:, :k], lps[:, :k] = top.indices, top.values.float()
-    y = labels.reshape(-1)
-    outside = ~(top.indices == y[:, None]).any(1)
-    ids[outside, k] = y[outside]
-    lps[outside, k] = flat[outside, y[outside]].float()
+    topk = engine_topk(flat, labels.reshape(-1), k)
+    ids, lps = topk.token_ids, topk.logprobs
     n = flat.shape[0]
     ids[1, 2:] = -1  # fewer slots
     ids[n // 2, 1:] = -1
@@ -70,6 +64,20 @@ def problem(
         RolloutTopK(ids.reshape(*shape, k + 1), lps.reshape(*shape, k + 1)),
         b,
     )
+
+
+def engine_topk(engine: torch.Tensor, sampled: torch.Tensor, k: int) -> RolloutTopK:
+    """What vLLM's ``logprobs=k`` returns from the engine's log-probs ``engine`` ``[N, V]``:
+    the top ``k`` and the sampled token (``sampled`` ``[N]``, negative: none) when it is not
+    among them, in ``[N, k + 1]`` slots (-1 unused), fp32 log-probs."""
+    top = engine.topk(k)
+    ids = torch.full((engine.shape[0], k + 1), -1, dtype=torch.int64)
+    lps = torch.zeros(engine.shape[0], k + 1, dtype=torch.float32)
+    ids[:, :k], lps[:, :k] = top.indices, top.values.float()
+    outside = ~(top.indices == sampled[:, None]).any(1) & (sampled >= 0)
+    ids[outside, k] = sampled[outside]
+    lps[outside, k] = engine[outside, sampled[outside]].float()
+    return RolloutTopK(ids, lps)
 
 
 def transformed(p: Problem, dtype, *, temperature=1.0, softcap=None, logit_scale=None):
@@ -116,7 +124,7 @@ def truth(z: torch.Tensor, labels: torch.Tensor, topk: RolloutTopK, keep=None) -
         out["kl_trainer_rollout"][i] = _kl(tb, rb)
         out["total_variation"][i] = 0.5 * (rb - tb).abs().sum()
         out["topk_mass"][i], out["rollout_mass"][i] = t.sum(), r.sum()
-        out["logprobs"][i, used] = lp_all[i][K]
+        out["logprobs"][i, used] = lp_all[i][K].double()
         engine_top = set(K[lps[i][used] == lps[i][used].max()].tolist())
         trainer_top = set(torch.nonzero(z[i] == z[i].max())[:, 0].tolist())
         out["top1_agree"][i] = bool(engine_top & trainer_top)
