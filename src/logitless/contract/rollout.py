@@ -24,12 +24,13 @@ __all__ = ["RolloutRows", "RolloutTopK", "check_rollout_topk"]
 
 
 class RolloutRows(NamedTuple):
-    """A checked :class:`RolloutTopK` over the call's ``N`` label positions.
+    """A checked :class:`RolloutTopK` over the call's ``N`` label positions (views of the given
+    tensors where they can be: ``[N, k]`` outputs of the engine are not copied).
 
-    ids: ``[N, k]`` int64 global ids, ``-1`` in unused slots; logprobs: ``[N, k]`` float64,
-    clamped at 0, ``-inf`` in unused slots; log_tail: ``[N]`` float64 log of the engine's mass
-    outside the ids, ``1 - Σ exp(logprobs)`` (``-inf``: no mass left, or the ids cover the
-    whole vocabulary).
+    ids: ``[N, k]`` int64 global ids, ``-1`` in unused slots; logprobs: ``[N, k]`` as given
+    (float32 / float64; any value in unused slots; read through :meth:`bucket_logprobs`);
+    log_tail: ``[N]`` float64 log of the engine's mass outside the ids,
+    ``1 - Σ exp(logprobs)`` (``-inf``: no mass left, or the ids cover the whole vocabulary).
     """
 
     ids: torch.Tensor
@@ -44,6 +45,14 @@ class RolloutRows(NamedTuple):
     def take(self, idx: torch.Tensor | None) -> RolloutRows:
         """Rows ``idx`` (all when None)."""
         return self if idx is None else RolloutRows(*(t.index_select(0, idx) for t in self))
+
+    def rows(self, r0: int, r1: int) -> RolloutRows:
+        """Rows ``[r0, r1)`` (views)."""
+        return RolloutRows(*(t[r0:r1] for t in self))
+
+    def bucket_logprobs(self) -> torch.Tensor:
+        """``[N, k]`` float64 log-probs, clamped at 0 (rounding), ``-inf`` in unused slots."""
+        return torch.where(self.used, self.logprobs.double().clamp(max=0.0), -math.inf)
 
 
 def _tensors(topk: object, batch_shape: torch.Size, device: torch.device):
@@ -99,7 +108,8 @@ def check_rollout_topk(
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=device)
     offsets[1:] = used.sum(1).cumsum(0)
     check_csr_ids(ids[used], offsets, vocab_size, "rollout_topk")
-    lps = torch.where(used, lps.reshape(n, k).double(), -math.inf)
+    given = lps.reshape(n, k)
+    lps = torch.where(used, given.double(), -math.inf)
     bad = used & (torch.isnan(lps) | (lps > MASS_SLACK))
     mass = lps.exp().sum(1)
     n_bad, n_mass = torch.stack([bad.sum(), (mass > 1 + MASS_SLACK).sum()]).tolist()
@@ -114,7 +124,8 @@ def check_rollout_topk(
             f"rollout_topk: the probabilities of a position must sum to at most 1, position {i} "
             f"sums to {float(mass[i]):.6f}"
         )
-    lps = lps.clamp(max=0.0)
-    tail = torch.log(-torch.expm1(lps.logsumexp(1).clamp(max=0.0))) if k else lps.new_zeros(n)
+    tail = torch.log(-torch.expm1(lps.clamp(max=0.0).logsumexp(1).clamp(max=0.0)))
     tail = torch.where(used.sum(1) >= vocab_size, -math.inf, tail)
-    return RolloutRows(torch.where(used, ids, -1), lps, tail)
+    if pad != -1:  # else the ids are kept as given: -1 marks the unused slots already
+        ids = torch.where(used, ids, -1)
+    return RolloutRows(ids, given, tail)

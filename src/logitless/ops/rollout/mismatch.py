@@ -66,8 +66,9 @@ def of_probe(stats: ProbeStats, rollout: RolloutRows) -> TrainerSide:
     columns outside the ids, an id on top when its logit equals the row's maximum (the same
     computed values: exact, ties included)."""
     m, log_sum = stats.max[:, None], stats.log_sum[:, None]
-    lp = (stats.z - m) - log_sum
-    return TrainerSide(lp, stats.log_out - stats.log_sum, rollout.used & (stats.z == m))
+    top = rollout.used & (stats.z == m)
+    lp = stats.z.sub_(m).sub_(log_sum)  # the probe's logits are not read again
+    return TrainerSide(lp, stats.log_out - stats.log_sum, top)
 
 
 def of_entries(
@@ -112,30 +113,46 @@ def _kl(lp_a: torch.Tensor, lp_b: torch.Tensor) -> torch.Tensor:
     return torch.where(lp_a > -math.inf, lp_a.exp() * (lp_a - lp_b), 0.0).sum(1)
 
 
+# Positions whose buckets are formed at once (bounds the float64 [rows, k + 1] temporaries).
+_CHUNK_ROWS = 1024
+
+
 def partition(trainer: TrainerSide, rollout: RolloutRows) -> RolloutMismatch:
     """The diagnostics of R positions on the K+1 buckets (the module doc), from the trainer's
-    side and the engine's; in the trainer's compute dtype, 0 where a position has no id."""
-    used, dtype = rollout.used, trainer.logprobs.dtype
+    side and the engine's; in the trainer's compute dtype, 0 where a position has no id. The
+    trainer's log-probs become the result's (0 written at the unused slots, in place)."""
+    num, dtype = rollout.ids.shape[0], trainer.logprobs.dtype
+    out = torch.zeros(5, num, dtype=dtype, device=rollout.ids.device)
+    agree = torch.zeros(num, dtype=torch.bool, device=rollout.ids.device)
+    for r0 in range(0, num, _CHUNK_ROWS):
+        r1 = min(r0 + _CHUNK_ROWS, num)
+        part = TrainerSide(*(t[r0:r1] for t in trainer))
+        out[:, r0:r1], agree[r0:r1] = _buckets(part, rollout.rows(r0, r1))
+    compared = rollout.used.any(1)
+    lp = trainer.logprobs.masked_fill_(~(rollout.used & compared[:, None]), 0.0)
+    return RolloutMismatch(lp, *out.unbind(0), agree & compared, compared)
+
+
+def _buckets(trainer: TrainerSide, rollout: RolloutRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([5, R] KL(r‖t), KL(t‖r), TV, Σ_K t, Σ_K r; [R] top-1 agreement)`` of R positions,
+    formed in float64 (0 where a position has no id)."""
+    used = rollout.used
+    lp_r = rollout.bucket_logprobs()
     lp_t = torch.where(used, trainer.logprobs.double(), -math.inf)
     buckets_t = torch.cat([lp_t, trainer.log_tail.double()[:, None]], 1)
-    buckets_r = torch.cat([rollout.logprobs, rollout.log_tail[:, None]], 1)
-    best = buckets_r.clone()
-    best[:, -1] = -math.inf  # the engine's top-1 among its ids
-    best = best.amax(1, keepdim=True)
-    agree = (used & (rollout.logprobs == best) & trainer.top).any(1)
-    compared = used.any(1)
+    buckets_r = torch.cat([lp_r, rollout.log_tail[:, None]], 1)
+    best = torch.cat([lp_r, lp_r.new_full((lp_r.shape[0], 1), -math.inf)], 1).amax(1)
+    agree = (used & (lp_r == best[:, None]) & trainer.top).any(1)
     values = torch.stack(
-        [
-            _kl(buckets_r, buckets_t),
-            _kl(buckets_t, buckets_r),
+        [  # a KL is >= 0: rounding of the two sides' masses (each ~1 ulp from 1) is clamped
+            _kl(buckets_r, buckets_t).clamp(min=0.0),
+            _kl(buckets_t, buckets_r).clamp(min=0.0),
             0.5 * (buckets_r.exp() - buckets_t.exp()).abs().sum(1),
             lp_t.exp().sum(1),
-            rollout.logprobs.exp().sum(1),
+            lp_r.exp().sum(1),
         ]
     )
-    values = torch.where(compared, values, 0.0).to(dtype)
-    lp = torch.where(used & compared[:, None], trainer.logprobs, 0.0)
-    return RolloutMismatch(lp, *values.unbind(0), agree & compared, compared)
+    return torch.where(used.any(1), values, 0.0), agree
 
 
 def scatter(rows: Rows, found: RolloutMismatch) -> RolloutMismatch:
