@@ -336,6 +336,17 @@ class RowStats(NamedTuple):
     kept: torch.Tensor | None = None
     probe: ProbeStats | None = None
 
+    def cut(self, num_rows: int) -> RowStats:
+        """The first ``num_rows`` rows' results (a padded forward's, its filler rows dropped;
+        ``kept``, the padded tile, as it is)."""
+        ent, probe = self.entropy, self.probe
+        return self._replace(
+            logp=self.logp[:num_rows],
+            lse=self.lse[:num_rows],
+            entropy=None if ent is None else ent[:num_rows],
+            probe=None if probe is None else probe.cut(num_rows),
+        )
+
     def padded(self, pad: int) -> RowStats:
         """The statistics backward reads (lse, entropy) followed by ``pad`` copies of the
         first row's (see :func:`padded_backward`)."""

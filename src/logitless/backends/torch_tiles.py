@@ -199,10 +199,7 @@ def forward_rows(
     pad = opts.schedule.padding(num_rows)
     if pad == 0:
         return _forward_rows(rows, opts, keep_tile, probe)
-    st = _forward_rows(rows.padded(pad), opts, keep_tile, extend_rows(probe, pad))
-    ent = None if st.entropy is None else st.entropy[:num_rows]
-    found = None if st.probe is None else st.probe.cut(num_rows)
-    return RowStats(st.logp[:num_rows], st.lse[:num_rows], ent, st.kept, found)
+    return _forward_rows(rows.padded(pad), opts, keep_tile, extend_rows(probe, pad)).cut(num_rows)
 
 
 def _forward_rows(

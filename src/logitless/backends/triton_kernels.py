@@ -288,10 +288,7 @@ def forward_rows(
     num_rows = rows.hidden.shape[0]
     pad = opts.schedule.padding(num_rows)
     if pad:
-        st = forward_rows(rows.padded(pad), opts, probe=extend_rows(probe, pad))
-        ent = None if st.entropy is None else st.entropy[:num_rows]
-        found = None if st.probe is None else st.probe.cut(num_rows)
-        return RowStats(st.logp[:num_rows], st.lse[:num_rows], ent, None, found)
+        return forward_rows(rows.padded(pad), opts, probe=extend_rows(probe, pad)).cut(num_rows)
     dev = rows.hidden.device
     logp = torch.empty(num_rows, device=dev)
     lse = torch.empty(num_rows, device=dev)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import INT_DTYPES, MASS_SLACK, check_full_precision, fmt_shape
+from .checks import INT_DTYPES, MASS_SLACK, check_full_precision, check_topk_values, fmt_shape
 from .replay import check_csr_ids
 from .sampling import RolloutTopK
 
@@ -111,19 +111,8 @@ def check_rollout_topk(
     given = lps.reshape(n, k)
     lps = torch.where(used, given.double(), -math.inf)
     bad = used & (torch.isnan(lps) | (lps > MASS_SLACK))
-    mass = lps.exp().sum(1)
-    n_bad, n_mass = torch.stack([bad.sum(), (mass > 1 + MASS_SLACK).sum()]).tolist()
-    if n_bad:
-        raise ValueError(
-            f"rollout_topk.logprobs must be log-probabilities (<= 0, or -inf; not NaN), "
-            f"{n_bad} are not, e.g. {float(lps[bad][0])}"
-        )
-    if n_mass:
-        i = int(torch.nonzero(mass > 1 + MASS_SLACK)[0, 0])
-        raise ValueError(
-            f"rollout_topk: the probabilities of a position must sum to at most 1, position {i} "
-            f"sums to {float(mass[i]):.6f}"
-        )
+    rule = "log-probabilities (<= 0, or -inf; not NaN)"
+    check_topk_values("rollout_topk", lps, bad, lps.exp().sum(1), rule)
     tail = torch.log(-torch.expm1(lps.clamp(max=0.0).logsumexp(1).clamp(max=0.0)))
     tail = torch.where(used.sum(1) >= vocab_size, -math.inf, tail)
     if pad != -1:  # else the ids are kept as given: -1 marks the unused slots already
