@@ -137,24 +137,27 @@ def _probe_tile(
     stores each id's logit ``z`` at its slot of ``zp`` and returns ``e`` (``exp(z - m)``) with
     the ids' columns set to 0.
 
-    A row's ids are ascending, so those inside the tile are the slots ``[lo, hi)``: counted with
-    one compare of the row's ``PROBE_K`` ids against each tile edge. The loop runs over the
-    longest such run in the row block (usually 0 or 1: ``k`` ids in ``V / BLOCK_N`` tiles), one
-    compare of the tile against one id per row per step, not ``k``.
+    A row's ids are ascending, so those inside the tile are the slots ``[lo, hi)``, counted
+    slot by slot (``[BLOCK_M]`` vectors: no ``[BLOCK_M, PROBE_K]`` tile held beside the
+    logits). The loop then runs over the longest such run in the row block (usually 0 or 1:
+    ``k`` ids in ``V / BLOCK_N`` tiles), one compare of the tile against one id per row per
+    step, not ``k``.
     """
-    pids = tl.load(p_rows[:, None] + tl.arange(0, PROBE_K)[None, :])  # [BLOCK_M, PROBE_K]
-    lo = tl.sum((pids < n0).to(tl.int32), axis=1)
-    hi = tl.sum((pids < n0 + BLOCK_N).to(tl.int32), axis=1)
-    hit_any = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    lo = tl.zeros((BLOCK_M,), tl.int32)
+    hi = tl.zeros((BLOCK_M,), tl.int32)
+    for j in range(PROBE_K):
+        v = tl.load(p_rows + j)
+        lo += (v < n0).to(tl.int32)
+        hi += (v < n0 + BLOCK_N).to(tl.int32)
     for t in range(0, tl.max(hi - lo, axis=0)):
         slot = lo + t
         has = slot < hi
         cand = tl.load(p_rows + slot, mask=has, other=-1)  # -1 matches no column
         hit = offs_n[None, :] == cand[:, None]
-        hit_any = hit_any | hit.to(tl.int32)
         tl.store(zp_ptr + rows.to(tl.int64) * PROBE_K + slot,
                  tl.sum(tl.where(hit, z, 0.0), axis=1), mask=has & row_ok)  # fmt: skip
-    return tl.where(hit_any != 0, 0.0, e)
+        e = tl.where(hit, 0.0, e)
+    return e
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -199,7 +202,9 @@ def _dz_kernel(
     store_dz(dz_ptr, dz, offs_m, offs_c, row_ok, col_ok, width)
 
 
-register("stats", _stats_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
+# PROBE_K shares the tuned configuration: a probed call's statistics are the same bits as an
+# unprobed one's (the rollout-mismatch diagnostics change no log-prob)
+register("stats", _stats_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"], shared=("PROBE_K",))
 register("dz", _dz_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
 
 
@@ -251,8 +256,9 @@ def _stats_pass(call: KernelHead, r0: int, r1: int, opts: KernelOptions, probe: 
     rows, vocab, dev = r1 - r0, call.weight.shape[0], call.hidden.device
     splits = vocab_splits(rows, vocab, dev)
     stats = torch.empty(4 if probe is None else 5, splits, rows, device=dev)
-    if probe is None:
-        p_args, width = (call.labels, stats), 0  # placeholders, never read
+    if probe is None:  # placeholders, never read, of the probe's dtypes: Triton's autotuner
+        # keys on the pointers' dtypes, and both launches share the tuned configuration
+        p_args, width = (torch.empty(1, dtype=torch.int32, device=dev), stats), 0
     else:
         zp = torch.zeros(rows, probe.width, device=dev)
         p_args, width = (probe.ids[r0:r1], zp), probe.width
