@@ -3,8 +3,9 @@
 verl 0.9's vLLM rollout asks for the sampled token's log-prob only, so no top-k reaches the
 actor; the documented way (docs/rollout-mismatch.md, "verl") is a recipe's engine that adds the
 micro-batch's top-k to the model inputs verl builds and keeps the forward's
-``rollout_mismatch``. That engine is written here as the docs show it and run through verl's own
-``forward_step`` (remove-padding micro-batch), against the float64 truth of the model's logits.
+``rollout_mismatch`` (examples/verl_rollout_topk.py, the docs' excerpt), run here through verl's
+own ``forward_step`` (remove-padding micro-batch), against the float64 truth of the model's
+logits.
 """
 
 from __future__ import annotations
@@ -14,40 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import verl.workers.engine.fsdp.transformer_impl as impl
 from _engine import cpu_devices, engine, micro_batch, patched, tiny_model
 
 import logitless
 from logitless import RolloutTopK
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
 from _rollout import FLOAT_FIELDS, engine_topk, truth  # noqa: E402
 from _tolerance import assert_no_worse_than_reference  # noqa: E402
+from verl_rollout_topk import RolloutTopKEngine  # noqa: E402  (the docs' recipe)
 
 SEQS = [[5, 6, 7, 8, 9, 3, 2], [10, 11, 12], [13, 14, 15, 16, 1], [40, 41]]
-
-
-class RolloutTopKEngine(impl.FSDPEngineWithLMHead):
-    """A recipe's engine: the micro-batch's ``rollout_topk_ids`` / ``rollout_topk_logprobs``
-    (nested ``[T_i, k]``, row ``t`` the engine's top-k of the distribution token ``t`` was
-    sampled from, -1 where none) go to the forward as ``rollout_topk``, laid out like verl's
-    ``shift_labels`` (the packed row rolled by one); the forward's ``rollout_mismatch`` comes
-    back in the model output."""
-
-    def prepare_model_inputs(self, micro_batch):
-        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        if "rollout_topk_ids" in micro_batch.keys():  # noqa: SIM118 (a TensorDict)
-            ids = micro_batch["rollout_topk_ids"].values().roll(-1, 0)[None]
-            lps = micro_batch["rollout_topk_logprobs"].values().roll(-1, 0)[None]
-            model_inputs["rollout_topk"] = logitless.RolloutTopK(ids, lps)
-        return model_inputs, output_args
-
-    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-        out = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-        found = getattr(output, "rollout_mismatch", None)
-        if found is not None:  # a dict of [1, nnz] tensors (verl's engine maps dicts)
-            out["rollout_mismatch"] = found._asdict()
-        return out
 
 
 @pytest.fixture(autouse=True)
