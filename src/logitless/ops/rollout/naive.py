@@ -27,7 +27,8 @@ def naive_mismatch(call: HeadCall, logits: torch.Tensor) -> RolloutMismatch:
     rollout = call.rollout
     used = rollout.used
     ids = torch.where(used, rollout.ids, 0)
-    member = torch.zeros_like(lp, dtype=torch.bool).scatter_(1, ids, used)
+    # an unused slot points at column 0 with "no": added, so it never unmarks an id there
+    member = torch.zeros_like(lp).scatter_add_(1, ids, used.to(lp.dtype)) > 0
     tail = torch.where(member, -math.inf, lp).logsumexp(1)
     top = used & (z.gather(1, ids) == z.amax(1, keepdim=True))
     found = partition(TrainerSide(lp.gather(1, ids), tail, top), rollout)
