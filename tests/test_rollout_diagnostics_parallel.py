@@ -1,9 +1,10 @@
 """The rollout-mismatch diagnostics under vocabulary (tensor) parallelism, on 2 gloo ranks
 (one launch runs every check): each rank holds half the vocabulary (an uneven split), the
 engine's ids are gathered from the rank that owns each; every rank gets the same values,
-held to the naive reference's error against the float64 truth, on both backends, with
-sampling replay (a mask, top-k), and bit for bit across batchings in the batch-invariant mode;
-a bad id on one rank raises on both."""
+held to the naive reference's error against the float64 truth, on both backends (fp32; bf16 on
+the torch tiles), with sampling replay (a mask, top-k), the log-probs and entropy the same bits
+as without the option, and bit for bit across batchings in the batch-invariant mode; a bad id
+on one rank raises on both."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def _worker(rank: int, world: int) -> dict:
                    backend=backend, temperature=0.9, with_entropy=True).mismatch  # fmt: skip
         check_against_truth(p, torch.float32, dict(temperature=0.9), found=found)
         results[backend] = found
+    bf16 = op(p.hidden.bfloat16(), p.weight.bfloat16(), p.labels, bias=p.bias.bfloat16(),
+              rollout_topk=p.topk, temperature=0.9).mismatch  # fmt: skip
+    check_against_truth(p, torch.bfloat16, dict(temperature=0.9), found=bf16)
+    results["bf16"] = bf16
     plain = op(p.hidden, p.weight, p.labels, bias=p.bias, temperature=0.9, with_entropy=True)
     with_it = op(p.hidden, p.weight, p.labels, bias=p.bias, temperature=0.9, with_entropy=True,
                  rollout_topk=p.topk)  # fmt: skip
