@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import spawn
 
 pytestmark = pytest.mark.slow

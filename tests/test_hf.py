@@ -738,7 +738,10 @@ def _bad_cases(model):
         ),
         "input_ids out of the vocabulary, loss": (
             lambda: hf.causal_lm_policy_loss(
-                model, ids - ids.max() - 1, torch.zeros(2, 6), torch.zeros(2),
+                model,
+                ids - ids.max() - 1,
+                torch.zeros(2, 6),
+                torch.zeros(2),
                 config=PolicyLossConfig(),
             ),  # fmt: skip
             r"input_ids must be token ids in \[0, ",

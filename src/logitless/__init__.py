@@ -12,6 +12,7 @@ from . import advantages, losses, packing, parallel, reference  # noqa: F401  (i
 from .accumulation import StepAccumulator
 from .contract.divergence import TeacherTopK
 from .contract.options import WeightGradInto
+from .contract.sampling import RolloutTopK
 from .losses import LossNormalizer, PolicyLossConfig, loss_normalizer, policy_loss
 from .modules import DivergenceHead, LinearLogprobs, LogprobHead, PolicyLossHead
 from .ops.divergence.op import linear_divergence
@@ -31,6 +32,7 @@ __all__ = [
     "LossNormalizer",
     "PolicyLossConfig",
     "PolicyLossHead",
+    "RolloutTopK",
     "SamplingMask",
     "StepAccumulator",
     "TeacherHead",

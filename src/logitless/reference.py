@@ -23,7 +23,8 @@ from .ops.divergence.op import linear_divergence as ops_divergence
 from .ops.logprobs.naive import full_logits, naive_logprobs
 from .ops.logprobs.op import linear_logprobs as ops_logprobs
 from .ops.replay.naive import kept_set, masked_logprobs
-from .types import Divergence, LogProbs
+from .ops.rollout.naive import naive_mismatch
+from .types import Divergence, LogProbs, RolloutLogProbs
 
 __all__ = ["kept_set", "linear_divergence", "linear_logprobs"]
 
@@ -55,14 +56,22 @@ def linear_logprobs(given: Mapping[str, Any]) -> LogProbs:
     :func:`logitless.linear_logprobs`), the logits outside each row's kept set ``K`` are set to
     ``-inf`` before the log-softmax (a masked log-softmax; :func:`kept_set` builds ``K`` as a
     ``[N, V]`` mask from the full logits), and the result is a ``ReplayLogProbs``.
+
+    With ``rollout_topk`` the result's ``mismatch`` is computed from the same full
+    (log-)softmax: gathered at the engine's ids, the mass outside them a log-sum-exp of the
+    other columns, the top tokens where a logit equals the row's maximum.
     """
     options = HeadOptions.pick(given).replace(backend="torch")
     head = (given["hidden"], given["weight"], given["labels"], given["bias"])
     call = check_head_call(*head, options, SamplerOptions.pick(given))
     logits = full_logits(call)  # [N, V]
+    out = masked_logprobs(call, logits) if call.replay is not None else naive_logprobs(call, logits)
+    if call.rollout is None:
+        return out
+    mismatch = naive_mismatch(call, logits)
     if call.replay is not None:
-        return masked_logprobs(call, logits)
-    return naive_logprobs(call, logits)
+        return out._replace(mismatch=mismatch)
+    return RolloutLogProbs(out.logprobs, out.entropy, mismatch)
 
 
 @arguments_like(ops_divergence, without=_OP_ONLY_DIVERGENCE)

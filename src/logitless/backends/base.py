@@ -18,6 +18,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ..contract.collectives import all_reduce
 from ..contract.divergence import TopKRows
 from ..contract.options import WeightGradInto
 from ..contract.vocab import VocabParallel
@@ -294,15 +295,57 @@ class KernelOptions:
         return param_dtype
 
 
+class ProbeStats(NamedTuple):
+    """What a forward found at each row's probed ids (``forward_rows(..., probe=ids)``, ids
+    ``[M, K]``: the rollout engine's top-k), over the whole vocabulary (every shard), in the
+    compute dtype:
+
+    z ``[M, K]``: the transformed logits at the ids, the very values the tiles folded into the
+    row's statistics (0 at unused slots); max ``[M]``: the row's maximum logit ``m``; log_sum
+    ``[M]``: ``log Σ_j exp(z_j - m)``; log_out ``[M]``: ``log Σ_{j not an id} exp(z_j - m)``,
+    summed over those columns themselves (``-inf`` when there is none).
+
+    So ``log p = (z - m) - log_sum`` (the expression of the label's log-prob, bit for bit),
+    the row's mass outside the ids is ``exp(log_out - log_sum)`` without cancellation, and an
+    id is an argmax exactly when ``z == m``.
+    """
+
+    z: torch.Tensor
+    max: torch.Tensor
+    log_sum: torch.Tensor
+    log_out: torch.Tensor
+
+    def padded(self, pad: int) -> ProbeStats:
+        """Rows followed by ``pad`` copies of the first."""
+        return ProbeStats(*(extend_rows(x, pad) for x in self))
+
+    def cut(self, rows: int) -> ProbeStats:
+        """The first ``rows`` rows."""
+        return ProbeStats(*(x[:rows] for x in self))
+
+
 class RowStats(NamedTuple):
     """A forward's per-row results: logp, lse, entropy (or None) ``[M]`` in the compute dtype,
-    and ``kept``: the torch tiles' single tile of transformed logits, kept for backward when
-    the whole call was one tile (else None)."""
+    ``kept``: the torch tiles' single tile of transformed logits, kept for backward when the
+    whole call was one tile (else None), and ``probe``: what the forward found at the probed
+    ids (:class:`ProbeStats`; None without a probe)."""
 
     logp: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor | None
     kept: torch.Tensor | None = None
+    probe: ProbeStats | None = None
+
+    def cut(self, num_rows: int) -> RowStats:
+        """The first ``num_rows`` rows' results (a padded forward's, its filler rows dropped;
+        ``kept``, the padded tile, as it is)."""
+        ent, probe = self.entropy, self.probe
+        return self._replace(
+            logp=self.logp[:num_rows],
+            lse=self.lse[:num_rows],
+            entropy=None if ent is None else ent[:num_rows],
+            probe=None if probe is None else probe.cut(num_rows),
+        )
 
     def padded(self, pad: int) -> RowStats:
         """The statistics backward reads (lse, entropy) followed by ``pad`` copies of the
@@ -346,10 +389,17 @@ def padded_backward(backward: Callable, rows, stats, up, opts, needs: Needs, pad
 
 class KernelBackend(Protocol):
     """The log-prob op's three entry points, which every backend's module for it defines (same
-    contract, same tests)."""
+    contract, same tests). ``forward_rows``'s ``probe``: ``[M, K]`` int64 shard-local ids
+    whose logits and complement mass the forward also reports (``-1``: an unused slot, or an
+    id of another shard), in ``RowStats.probe``; the other statistics are the same bits with
+    or without it."""
 
     def forward_rows(
-        self, rows: RowBatch, opts: KernelOptions, keep_tile: bool = False
+        self,
+        rows: RowBatch,
+        opts: KernelOptions,
+        keep_tile: bool = False,
+        probe: torch.Tensor | None = None,
     ) -> RowStats: ...
 
     def backward_rows(
@@ -382,10 +432,40 @@ def finish_stats(
     """
     if vp is not None:
         m, s, q, zy = vp.combine(m, s, q, zy)
+    return _finish(m, s, q, zy)
+
+
+def _finish(m, s, q, zy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     log_s = s.log()
     lse = m + log_s
     ent = None if q is None else log_s - q / s
     return (zy - m) - log_s, lse, ent
+
+
+def finish_probed(
+    m: torch.Tensor,
+    s: torch.Tensor,
+    q: torch.Tensor | None,
+    zy: torch.Tensor,
+    s_out: torch.Tensor,
+    z: torch.Tensor,
+    vp: VocabParallel | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ProbeStats]:
+    """:func:`finish_stats` (the same bits) and the :class:`ProbeStats` of a probed forward.
+
+    s_out ``[R]``: ``Σ exp(z - m)`` over the columns that are not probed ids (on the same
+    running max as ``s``); z ``[R, K]``: the logits at the ids this shard holds (0 at the
+    others). With ``vp`` they are combined over its group after the statistics (one more SUM
+    all-reduce: each id has one owner, so its logit is added to zeros, exactly).
+    """
+    if vp is not None:
+        m_own = m
+        m, s, q, zy = vp.combine(m, s, q, zy)
+        packed = torch.cat([((m_own - m).exp() * s_out)[:, None], z], 1)
+        packed = all_reduce(packed, vp.group, "sum")
+        s_out, z = packed[:, 0], packed[:, 1:]
+    logp, lse, ent = _finish(m, s, q, zy)
+    return logp, lse, ent, ProbeStats(z, m, s.log(), s_out.log())
 
 
 @functools.cache

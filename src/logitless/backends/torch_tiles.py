@@ -30,11 +30,13 @@ from .base import (
     HeadGrads,
     KernelOptions,
     Needs,
+    ProbeStats,
     RowBatch,
     RowStats,
     Upstream,
     add_product,
     extend_rows,
+    finish_probed,
     finish_stats,
     padded_backward,
 )
@@ -94,19 +96,30 @@ class OnlineStats:
     """Running log-sum-exp / entropy statistics of a block of rows across vocab blocks.
 
     Keeps, per row, the running max ``m``, ``s = Σ exp(z - m)`` and ``q = Σ exp(z - m)·(z - m)``
-    so that ``lse = m + log s`` and ``H = log s - q / s``; also gathers the label logit.
+    so that ``lse = m + log s`` and ``H = log s - q / s``; also gathers the label logit. With
+    ``probe`` (``[R, K]`` local ids, -1 unused), also the logits at those ids and ``s_out``,
+    ``Σ exp(z - m)`` over the other columns (their own sum: no cancellation), each an extra
+    read of a tile the statistics already made (which they leave the same bits).
     """
 
-    def __init__(self, labels: torch.Tensor, with_entropy: bool) -> None:
+    def __init__(
+        self, labels: torch.Tensor, with_entropy: bool, probe: torch.Tensor | None = None
+    ) -> None:
         self.labels = labels
         self.with_entropy = with_entropy
         self.m = self.s = self.q = self.zy = None
+        self.probe = probe
+        self.z_probe = self.s_out = None
 
     def update(self, z: torch.Tensor, v0: int, destructive: bool) -> None:
         """Fold in tile ``z`` [R, Vb] (columns v0...). ``destructive`` lets it overwrite z."""
         slot, inside = label_slot(self.labels, v0, z.shape[1])
         z_lab = z.gather(1, slot).squeeze(1)
         self.zy = torch.where(inside, z_lab, z_lab.new_zeros(()) if self.zy is None else self.zy)
+        if self.probe is not None:
+            col, at = _probe_slots(self.probe, v0, z.shape[1])
+            before = z.new_zeros(()) if self.z_probe is None else self.z_probe
+            self.z_probe = torch.where(at, z.gather(1, col), before)
         m_blk = z.amax(dim=1)
         m_new = m_blk if self.m is None else torch.maximum(self.m, m_blk)
         d = z.sub_(m_new[:, None]) if destructive else z - m_new[:, None]  # z - m_new <= 0
@@ -117,16 +130,21 @@ class OnlineStats:
             # as the divergence op sums it, so the two ops' entropies agree bit for bit
             q_blk = d.mul_(e).sum(dim=1)
         else:
-            s_blk = d.exp_().sum(dim=1)
+            e = d.exp_()
+            s_blk = e.sum(dim=1)
             q_blk = None
+        # e (a scratch tile now) -> the sum over the columns that are not probed ids
+        out_blk = None if self.probe is None else _outside_sum(e, self.probe, v0)
         if self.m is None:
-            self.s, self.q = s_blk, q_blk
+            self.s, self.q, self.s_out = s_blk, q_blk, out_blk
         else:
             shift = self.m - m_new  # <= 0
             alpha = shift.exp()
             if self.with_entropy:
                 self.q = alpha * (self.q + shift * self.s) + q_blk
             self.s = alpha * self.s + s_blk
+            if out_blk is not None:
+                self.s_out = alpha * self.s_out + out_blk
         self.m = m_new
 
     def finish(
@@ -136,30 +154,57 @@ class OnlineStats:
         given (the shards' statistics are combined across its group: a collective call)."""
         return finish_stats(self.m, self.s, self.q, self.zy, vp)
 
+    def finish_probed(self, vp: VocabParallel | None = None):
+        """:meth:`finish` and the :class:`~.base.ProbeStats` of the probed ids."""
+        return finish_probed(self.m, self.s, self.q, self.zy, self.s_out, self.z_probe, vp)
+
+
+def _probe_slots(ids: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of ids ``[R, K]`` inside vocab block ``[v0, v0 + width)`` (clamped) and whether
+    each is there (-1, an unused slot, never is)."""
+    local = ids - v0
+    at = (ids >= 0) & (local >= 0) & (local < width)
+    return local.clamp(0, width - 1), at
+
+
+def _outside_sum(e: torch.Tensor, ids: torch.Tensor, v0: int) -> torch.Tensor:
+    """``[R]`` Σ of tile ``e`` ``[R, Vb]`` over its columns that are not ids; sets the ids'
+    columns of ``e`` to 0 (``e`` is scratch by now), exactly: each is added its own negative
+    (an unused slot, clamped onto some column, adds 0)."""
+    col, at = _probe_slots(ids, v0, e.shape[1])
+    e.scatter_add_(1, col, torch.where(at, -e.gather(1, col), 0.0))
+    return e.sum(dim=1)
+
 
 def _temp_col(temp: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | None:
     """Rows ``[r0, r1)`` of per-row temperatures as a ``[R, 1]`` column (None: scalar)."""
     return None if temp is None else temp[r0:r1, None]
 
 
-def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -> RowStats:
+def forward_rows(
+    rows: RowBatch,
+    opts: KernelOptions,
+    keep_tile: bool = False,
+    probe: torch.Tensor | None = None,
+) -> RowStats:
     """Log-prob of each row's label, its log-sum-exp and (optionally) entropy.
 
     rows: M valid rows (labels in ``[0, V)``, or shard-local). Returns :class:`RowStats` in the
     compute dtype, with ``kept``: the single tile's transformed logits ``[M, V]`` when
     ``keep_tile`` is set and the work is one tile (else None; under a padded schedule, the
-    padded rows' tile, which :func:`backward_rows` pads the same way).
+    padded rows' tile, which :func:`backward_rows` pads the same way); ``probe``: ``[M, K]``
+    shard-local ids to report (:class:`~.base.ProbeStats`), or None.
     """
     num_rows = rows.hidden.shape[0]
     pad = opts.schedule.padding(num_rows)
     if pad == 0:
-        return _forward_rows(rows, opts, keep_tile)
-    st = _forward_rows(rows.padded(pad), opts, keep_tile)
-    ent = None if st.entropy is None else st.entropy[:num_rows]
-    return RowStats(st.logp[:num_rows], st.lse[:num_rows], ent, st.kept)
+        return _forward_rows(rows, opts, keep_tile, probe)
+    return _forward_rows(rows.padded(pad), opts, keep_tile, extend_rows(probe, pad)).cut(num_rows)
 
 
-def _forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool) -> RowStats:
+def _forward_rows(
+    rows: RowBatch, opts: KernelOptions, keep_tile: bool, probe: torch.Tensor | None
+) -> RowStats:
     hidden, weight, bias, labels, temp = rows
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
@@ -172,10 +217,13 @@ def _forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool) -> RowSt
     rows_per = opts.schedule.rows
     keep = keep_tile and opts.schedule.num_tiles(num_rows, vocab) == 1
     kept = None
+    found = None if probe is None else _ProbeOut(num_rows, probe.shape[1], dev, cd)
     buf = _tile_buffer(min(rows_per, num_rows), opts, vocab, dev) if num_rows else None
     for r0, r1 in opts.schedule.row_chunks(num_rows):
         t_rows = _temp_col(temp, r0, r1)
-        stats = OnlineStats(labels[r0:r1], opts.with_entropy)
+        stats = OnlineStats(
+            labels[r0:r1], opts.with_entropy, None if probe is None else probe[r0:r1]
+        )
         for v0, v1 in opts.schedule.vocab_blocks(vocab):
             z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
             w, b = weight_block(weight, bias, v0, v1, hd)
@@ -183,10 +231,31 @@ def _forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool) -> RowSt
             if keep:
                 kept = z.clone()
             stats.update(z, v0, destructive=True)
-        logp[r0:r1], lse[r0:r1], ent_c = stats.finish(opts.vocab_parallel)
+        if found is None:
+            logp[r0:r1], lse[r0:r1], ent_c = stats.finish(opts.vocab_parallel)
+        else:
+            logp[r0:r1], lse[r0:r1], ent_c, chunk = stats.finish_probed(opts.vocab_parallel)
+            found.put(r0, chunk)
         if ent is not None:
             ent[r0:r1] = ent_c
-    return RowStats(logp, lse, ent, kept)
+    return RowStats(logp, lse, ent, kept, None if found is None else found.stats())
+
+
+class _ProbeOut:
+    """The :class:`~.base.ProbeStats` of M rows, written row chunk by row chunk."""
+
+    def __init__(self, num_rows: int, k: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.z = torch.zeros(num_rows, k, device=device, dtype=dtype)
+        self.rows = [torch.zeros(num_rows, device=device, dtype=dtype) for _ in range(3)]
+
+    def put(self, r0: int, chunk: ProbeStats) -> None:
+        r1 = r0 + chunk.max.shape[0]
+        self.z[r0:r1] = chunk.z
+        for buf, part in zip(self.rows, chunk[1:], strict=True):
+            buf[r0:r1] = part
+
+    def stats(self) -> ProbeStats:
+        return ProbeStats(self.z, *self.rows)
 
 
 class _RowGrad:

@@ -43,9 +43,12 @@ from .base import (
     HeadGrads,
     KernelOptions,
     Needs,
+    ProbeStats,
     RowBatch,
     RowStats,
     Upstream,
+    extend_rows,
+    finish_probed,
     finish_stats,
     padded_backward,
 )
@@ -69,10 +72,10 @@ from .triton_tiles import (
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _stats_kernel(
-    h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, stats_ptr,
+    h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, stats_ptr, p_ptr, zp_ptr,
     M, V, K, stride_h, stride_w, num_splits, inv_temp, scale, softcap,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    TEMP_MODE: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    TEMP_MODE: tl.constexpr, WITH_ENTROPY: tl.constexpr, PROBE_K: tl.constexpr,
     HEAD_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -80,6 +83,11 @@ def _stats_kernel(
 
     stats: [4, num_splits, M] fp32. A split with no vocab block (possible when the blocks do not
     divide evenly) writes m = -inf, s = q = z_y = 0, which :func:`_merge_splits` ignores.
+
+    PROBE_K > 0 (the rollout engine's top-k, :func:`_probe_tile`): p ``[M, PROBE_K]`` int32
+    ids per row, ascending (``_NO_ID`` in unused slots); the kernel also writes each id's logit
+    into zp ``[M, PROBE_K]`` (fp32, at the id's slot: one program holds its column) and a fifth
+    plane of stats, Σ exp(z - m) over the columns that are not ids.
     """
     pid_s, offs_m, row_ok, rows, first, last = split_program(
         M, V, num_splits, BLOCK_M, BLOCK_N, GROUP_M
@@ -90,6 +98,8 @@ def _stats_kernel(
     s_i = tl.zeros((BLOCK_M,), tl.float32)
     q_i = tl.zeros((BLOCK_M,), tl.float32)
     zy = tl.zeros((BLOCK_M,), tl.float32)
+    so_i = tl.zeros((BLOCK_M,), tl.float32)
+    p_rows = p_ptr + rows.to(tl.int64) * PROBE_K
     for nb in range(first, last):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
@@ -108,8 +118,46 @@ def _stats_kernel(
             q_i = alpha * (q_i + shift * s_i) + tl.sum(ed, axis=1)
         s_i = alpha * s_i + tl.sum(e, axis=1)
         m_i = m_new
+        if PROBE_K > 0:
+            e = _probe_tile(p_rows, zp_ptr, rows, row_ok, offs_n, nb * BLOCK_N, z, e, PROBE_K,
+                            BLOCK_M, BLOCK_N)  # fmt: skip
+            so_i = alpha * so_i + tl.sum(e, axis=1)
 
-    store_row_stats(stats_ptr, pid_s, M, offs_m, num_splits, row_ok, m_i, s_i, q_i, zy)
+    out, plane = store_row_stats(stats_ptr, pid_s, M, offs_m, num_splits, row_ok, m_i, s_i, q_i, zy)
+    if PROBE_K > 0:
+        tl.store(out + 4 * plane, so_i, mask=row_ok)
+
+
+@triton.jit
+def _probe_tile(
+    p_rows, zp_ptr, rows, row_ok, offs_n, n0, z, e, PROBE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The probed ids of one ``[BLOCK_M, BLOCK_N]`` tile of columns ``[n0, n0 + BLOCK_N)``:
+    stores each id's logit ``z`` at its slot of ``zp`` and returns ``e`` (``exp(z - m)``) with
+    the ids' columns set to 0.
+
+    A row's ids are ascending, so those inside the tile are the slots ``[lo, hi)``, counted
+    slot by slot (``[BLOCK_M]`` vectors: no ``[BLOCK_M, PROBE_K]`` tile held beside the
+    logits). The loop then runs over the longest such run in the row block (usually 0 or 1:
+    ``k`` ids in ``V / BLOCK_N`` tiles), one compare of the tile against one id per row per
+    step, not ``k``.
+    """
+    lo = tl.zeros((BLOCK_M,), tl.int32)
+    hi = tl.zeros((BLOCK_M,), tl.int32)
+    for j in range(PROBE_K):
+        v = tl.load(p_rows + j)
+        lo += (v < n0).to(tl.int32)
+        hi += (v < n0 + BLOCK_N).to(tl.int32)
+    for t in range(0, tl.max(hi - lo, axis=0)):
+        slot = lo + t
+        has = slot < hi
+        cand = tl.load(p_rows + slot, mask=has, other=-1)  # -1 matches no column
+        hit = offs_n[None, :] == cand[:, None]
+        tl.store(zp_ptr + rows.to(tl.int64) * PROBE_K + slot,
+                 tl.sum(tl.where(hit, z, 0.0), axis=1), mask=has & row_ok)  # fmt: skip
+        e = tl.where(hit, 0.0, e)
+    return e
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -154,7 +202,9 @@ def _dz_kernel(
     store_dz(dz_ptr, dz, offs_m, offs_c, row_ok, col_ok, width)
 
 
-register("stats", _stats_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
+# PROBE_K shares the tuned configuration: a probed call's statistics are the same bits as an
+# unprobed one's (the rollout-mismatch diagnostics change no log-prob)
+register("stats", _stats_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"], shared=("PROBE_K",))
 register("dz", _dz_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
 
 
@@ -163,61 +213,109 @@ register("dz", _dz_kernel, ("h_ptr", "w_ptr"), ("IEEE",), ["K"])
 # --------------------------------------------------------------------------------------------
 
 
-def _merge_splits(
-    stats: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """stats [4, splits, R] -> per-row (m, s, q, z_y) [R] over all splits (empty splits have
-    s = 0 and drop out)."""
-    m, s, q, zy = stats.unbind(0)
+def _merge_splits(stats: torch.Tensor) -> list[torch.Tensor]:
+    """stats [4 or 5, splits, R] -> per-row (m, s, q, z_y[, s_out]) [R] over all splits (empty
+    splits have s = 0 and drop out; s_out, the probe's plane, rescales like s)."""
+    m, s, q, zy, *probed = stats.unbind(0)
     m_all = m.amax(0)
     shift = m - m_all[None]  # <= 0; -inf for an empty split
     alpha = shift.exp()
     s_all = (alpha * s).sum(0)
     q_all = torch.where(s > 0, alpha * (q + shift * s), 0.0).sum(0)
-    return m_all, s_all, q_all, zy.sum(0)
+    return [m_all, s_all, q_all, zy.sum(0), *((alpha * p).sum(0) for p in probed)]
 
 
-def _stats_pass(call: KernelHead, r0: int, r1: int, opts: KernelOptions):
-    """logp, lse, entropy (or None) of rows [r0, r1): one kernel launch and the merge."""
-    rows, vocab = r1 - r0, call.weight.shape[0]
-    splits = vocab_splits(rows, vocab, call.hidden.device)
-    stats = torch.empty(4, splits, rows, device=call.hidden.device)
+# The id of an unused probe slot: above every column, so it sorts last and is never in a tile.
+_NO_ID = 2**31 - 1
+
+
+class _Probe:
+    """Probed ids ``[M, K]`` (shard-local, -1 unused) as the statistics kernel takes them: each
+    row's ids ascending in ``PROBE_K`` (a power of two) int32 slots, and the order back."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        k = ids.shape[1]
+        self.k, self.width = k, triton.next_power_of_2(max(k, 2))
+        padded = torch.full(
+            (ids.shape[0], self.width), _NO_ID, dtype=torch.int64, device=ids.device
+        )
+        padded[:, :k] = torch.where(ids >= 0, ids, _NO_ID)
+        self.ids, self.order = padded.sort(1)
+        self.ids = self.ids.to(torch.int32).contiguous()
+
+    def found(self, zp: torch.Tensor, r0: int) -> torch.Tensor:
+        """``[R, K]`` logits of rows ``r0...`` at their ids in the given order, from the
+        kernel's sorted slots ``zp`` ``[R, PROBE_K]``."""
+        order = self.order[r0 : r0 + zp.shape[0]]
+        return torch.zeros_like(zp).scatter_(1, order, zp)[:, : self.k]
+
+
+def _stats_pass(call: KernelHead, r0: int, r1: int, opts: KernelOptions, probe: _Probe | None):
+    """logp, lse, entropy (or None) of rows [r0, r1) (and their probe stats, or None): one
+    kernel launch and the merge."""
+    rows, vocab, dev = r1 - r0, call.weight.shape[0], call.hidden.device
+    splits = vocab_splits(rows, vocab, dev)
+    stats = torch.empty(4 if probe is None else 5, splits, rows, device=dev)
+    if probe is None:  # placeholders, never read, of the probe's dtypes: Triton's autotuner
+        # keys on the pointers' dtypes, and both launches share the tuned configuration
+        p_args, width = (torch.empty(1, dtype=torch.int32, device=dev), stats), 0
+    else:
+        zp = torch.zeros(rows, probe.width, device=dev)
+        p_args, width = (probe.ids[r0:r1], zp), probe.width
     launch(
         "stats",
         rows * vocab,
         lambda meta: triton.cdiv(rows, meta["BLOCK_M"]) * splits,
-        *call.tensors(r0, r1), stats, rows, *call.sizes(), splits, *call.scalars(),
-        pinned=call.pinned, WITH_ENTROPY=opts.with_entropy, **call.meta,
+        *call.tensors(r0, r1), stats, *p_args, rows, *call.sizes(), splits, *call.scalars(),
+        pinned=call.pinned, WITH_ENTROPY=opts.with_entropy, PROBE_K=width, **call.meta,
     )  # fmt: skip
-    m, s, q, zy = _merge_splits(stats)
-    return finish_stats(m, s, q if opts.with_entropy else None, zy, opts.vocab_parallel)
+    m, s, q, zy, *s_out = _merge_splits(stats)
+    q = q if opts.with_entropy else None
+    if probe is None:
+        return (*finish_stats(m, s, q, zy, opts.vocab_parallel), None)
+    z = probe.found(zp, r0)
+    return finish_probed(m, s, q, zy, s_out[0], z, opts.vocab_parallel)
 
 
-def forward_rows(rows: RowBatch, opts: KernelOptions, keep_tile: bool = False) -> RowStats:
+def forward_rows(
+    rows: RowBatch,
+    opts: KernelOptions,
+    keep_tile: bool = False,
+    probe: torch.Tensor | None = None,
+) -> RowStats:
     """Log-prob of each row's label, its log-sum-exp and (optionally) entropy.
 
     rows: M valid rows (labels shard-local under vocab parallelism, possibly outside [0, V)
     then). Returns fp32 :class:`RowStats` with nothing kept for backward (it recomputes);
-    ``keep_tile`` is accepted for the interface and ignored. In the batch-invariant mode the
-    rows are padded to whole blocks (as the torch tiles pad them) and the results cut back.
+    ``keep_tile`` is accepted for the interface and ignored; ``probe``: ``[M, K]`` shard-local
+    ids to report (:class:`~.base.ProbeStats`), or None. In the batch-invariant mode the rows
+    are padded to whole blocks (as the torch tiles pad them) and the results cut back.
     """
     num_rows = rows.hidden.shape[0]
     pad = opts.schedule.padding(num_rows)
     if pad:
-        st = forward_rows(rows.padded(pad), opts)
-        ent = None if st.entropy is None else st.entropy[:num_rows]
-        return RowStats(st.logp[:num_rows], st.lse[:num_rows], ent)
+        return forward_rows(rows.padded(pad), opts, probe=extend_rows(probe, pad)).cut(num_rows)
     dev = rows.hidden.device
     logp = torch.empty(num_rows, device=dev)
     lse = torch.empty(num_rows, device=dev)
     ent = torch.empty(num_rows, device=dev) if opts.with_entropy else None
     call = KernelHead(rows, opts)
+    sorted_probe = None if probe is None else _Probe(probe)
+    parts = []
     for r0, r1 in row_passes(num_rows, opts):
-        lp, ls, en = _stats_pass(call, r0, r1, opts)
+        lp, ls, en, found = _stats_pass(call, r0, r1, opts, sorted_probe)
         logp[r0:r1], lse[r0:r1] = lp, ls
         if ent is not None:
             ent[r0:r1] = en
-    return RowStats(logp, lse, ent)
+        parts.append(found)
+    if probe is None:
+        return RowStats(logp, lse, ent)
+    if not parts:  # no row: empty statistics of the probe's shape
+        z = torch.zeros(probe.shape, device=dev)
+        parts.append(ProbeStats(z, logp, logp, logp))
+    return RowStats(
+        logp, lse, ent, None, ProbeStats(*(torch.cat(x) for x in zip(*parts, strict=True)))
+    )
 
 
 def _dz_chunk(call: KernelHead, r0: int, r1: int, v0: int, dz, lse, ent, g, e) -> None:

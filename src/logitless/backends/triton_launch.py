@@ -186,14 +186,15 @@ class _Kernel:
     ``tuned`` (autotuned over its table), the names of its GEMM operands (hidden, weight per
     head) and of its IEEE flags."""
 
-    def __init__(self, name, fn, operands, ieee, dims, table="head") -> None:
+    def __init__(self, name, fn, operands, ieee, dims, table="head", shared=()) -> None:
         self.plain, self.operands, self.ieee, self.table = fn, operands, ieee, table
         self.tuned = fn
         if not INTERPRET:
             inner = getattr(fn, "fn", fn)  # under @triton.heuristics
             heur = set(getattr(fn, "values", {}))
             params = [p.name for p in inner.params if p.is_constexpr]
-            key = [*dims, *(p for p in params if p not in heur and p not in _CONFIG_KEYS)]
+            skip = heur | set(_CONFIG_KEYS) | set(shared)
+            key = [*dims, *(p for p in params if p not in skip)]
             prune = functools.partial(_prune, name)
             self.tuned = triton.autotune(
                 configs=[c for kind in ("tc", "fma") for c in TABLES[table][kind]],
@@ -211,11 +212,15 @@ def _prune(name, configs, named_args, **kwargs):
 KERNELS: dict[str, _Kernel] = {}
 
 
-def register(name: str, fn, operands: tuple[str, ...], ieee: tuple[str, ...], dims, table="head"):
+def register(
+    name: str, fn, operands: tuple[str, ...], ieee: tuple[str, ...], dims, table="head", shared=()
+):
     """Make kernel ``fn`` launchable by :func:`launch` under ``name``: its GEMM operands'
     argument names (hidden, weight per head), its IEEE flags, its hidden widths (autotune key)
-    and its configuration table."""
-    KERNELS[name] = _Kernel(name, fn, tuple(operands), tuple(ieee), list(dims), table)
+    and its configuration table. ``shared``: constexprs left out of the autotune key, so that
+    launches differing only in them run the configuration tuned for either (the same tiles:
+    the same bits of what both compute)."""
+    KERNELS[name] = _Kernel(name, fn, tuple(operands), tuple(ieee), list(dims), table, shared)
 
 
 # The ahead-of-time check's hook: a list while :func:`recording` runs (launches are recorded,

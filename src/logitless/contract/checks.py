@@ -12,6 +12,9 @@ import torch
 
 #: Integer dtypes accepted for ids (labels, kept ids, top-k): compared as int64 after reading.
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+#: Slack allowed on given log-probs above 0 and on a position's mass Σ exp(logprobs) above 1
+#: (rounding of a server's log-probs: a sparse teacher's, the rollout engine's top-k).
+MASS_SLACK = 1e-3
 
 
 def fmt_shape(t: torch.Tensor) -> str:
@@ -148,3 +151,23 @@ def per_position(
             f"{list(batch_shape)}"
         ) from None
     return out.long() if integer else out.double()
+
+
+def check_topk_values(name: str, lps, bad, mass, rule: str, *more) -> list:
+    """The values of an engine's top-k log-probs (a sparse teacher's, the rollout engine's),
+    read in one host transfer together with ``more`` (0-dim tensors, returned as numbers):
+    ``ValueError`` naming ``name`` where ``bad`` (a mask over ``lps``) holds, saying the values
+    must be ``rule``, or where a position's mass (``mass`` ``[N]``) exceeds ``1 +
+    MASS_SLACK``."""
+    n_bad, n_mass, *rest = torch.stack([bad.sum(), (mass > 1 + MASS_SLACK).sum(), *more]).tolist()
+    if n_bad:
+        raise ValueError(
+            f"{name}.logprobs must be {rule}, {n_bad} are not, e.g. {float(lps[bad][0])}"
+        )
+    if n_mass:
+        i = int(torch.nonzero(mass > 1 + MASS_SLACK)[0, 0])
+        raise ValueError(
+            f"{name}: the probabilities of a position must sum to at most 1, position {i} "
+            f"sums to {float(mass[i]):.6f}"
+        )
+    return rest

@@ -21,8 +21,10 @@ import torch
 
 from .checks import (
     INT_DTYPES,
+    MASS_SLACK,
     check_flag,
     check_full_precision,
+    check_topk_values,
     finite_number,
     fmt_shape,
     optional_positive_float,
@@ -33,10 +35,6 @@ from .options import HeadOptions
 from .replay import check_csr_ids
 
 __all__ = ["DivergenceCall", "DivergenceOptions", "TeacherTopK", "check_divergence_call"]
-
-# Slack allowed on a top-k row's teacher mass Σ exp(logprobs) above 1 (rounding of the
-# server's log-probs); the tail bucket is clamped at 0.
-_MASS_SLACK = 1e-3
 
 
 class TeacherTopK(NamedTuple):
@@ -403,21 +401,10 @@ def _padded_topk(ids, lps, offsets, vocab: int) -> TopKRows:
     mass = torch.zeros(n, dtype=torch.float64, device=ids.device).index_add_(
         0, row, lps.double().exp()
     )
-    bad_lp = ~torch.isfinite(lps) | (lps > _MASS_SLACK)
-    n_bad, n_mass, width = torch.stack(
-        [bad_lp.sum(), (mass > 1 + _MASS_SLACK).sum(), counts.max() if n else counts.sum()]
-    ).tolist()
-    if n_bad:
-        raise ValueError(
-            f"teacher_topk.logprobs must be finite log-probabilities (<= 0), {n_bad} are not, "
-            f"e.g. {float(lps[bad_lp][0])}"
-        )
-    if n_mass:
-        i = int(torch.nonzero(mass > 1 + _MASS_SLACK)[0, 0])
-        raise ValueError(
-            f"teacher_topk: the probabilities of a position must sum to at most 1, position {i} "
-            f"sums to {float(mass[i]):.6f}"
-        )
+    bad_lp = ~torch.isfinite(lps) | (lps > MASS_SLACK)
+    rule = "finite log-probabilities (<= 0)"
+    width = counts.max() if n else counts.sum()
+    (width,) = check_topk_values("teacher_topk", lps, bad_lp, mass, rule, width)
     col = torch.arange(ids.numel(), device=ids.device) - offsets[:-1][row]
     pad_ids = torch.full((n, width), -1, dtype=torch.int64, device=ids.device)
     pad_lps = torch.zeros((n, width), dtype=lps.dtype, device=ids.device)

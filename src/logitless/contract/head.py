@@ -31,6 +31,7 @@ from .checks import (
 from .collectives import check_then_agree
 from .options import HeadOptions, SamplerOptions, WeightGradInto
 from .replay import ReplayArgs, check_sampler
+from .rollout import RolloutRows, check_rollout_topk
 from .vocab import VocabParallel
 
 
@@ -63,7 +64,8 @@ class HeadCall:
     (:class:`~.options.HeadOptions`); batch_invariant: the batch-invariant schedule
     (:class:`~.options.HeadOptions`); replay: the checked sampler (None: no sampling replay);
     weight_grad_into: where the weight's gradient is added instead of returned (checked
-    against the weight), or None.
+    against the weight), or None; rollout: the rollout engine's checked top-k log-probs (the
+    rollout-mismatch diagnostics), or None.
     """
 
     hidden: torch.Tensor
@@ -85,6 +87,7 @@ class HeadCall:
     row_capacity: int | None = None
     batch_invariant: bool = False
     weight_grad_into: WeightGradInto | None = None
+    rollout: RolloutRows | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -157,6 +160,14 @@ def _check(
             "sampling replay is not capturable: the kept sets have data-dependent sizes; "
             "use capturable=False with sampling_mask / top_k / top_p / min_p"
         )
+    rollout = None
+    if sampler.rollout_topk is not None:
+        if options.capturable:
+            raise ValueError(
+                "rollout_topk is not capturable (its checks read the engine's ids and "
+                "log-probs on the host): use capturable=False with rollout_topk"
+            )
+        rollout = check_rollout_topk(sampler.rollout_topk, labels.shape, labels.device, label_vocab)
     scalar_t = None if isinstance(options.temperature, torch.Tensor) else options.temperature
     if scalar_t is not None:
         _check_scalar_temperature(scalar_t, compute_dtype(head_dtype))
@@ -181,6 +192,7 @@ def _check(
         row_capacity=options.row_capacity,
         batch_invariant=options.batch_invariant,
         weight_grad_into=options.weight_grad_into,
+        rollout=rollout,
     )
 
 

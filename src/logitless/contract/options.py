@@ -26,7 +26,7 @@ from .checks import (
     optional_positive_float,
     positive_finite_float,
 )
-from .sampling import SamplingMask
+from .sampling import RolloutTopK, SamplingMask
 from .vocab import VocabParallel
 
 Backend = Literal["auto", "triton", "torch"]
@@ -232,14 +232,20 @@ class HeadOptions:
 
 @dataclass(frozen=True)
 class SamplerOptions:
-    """The rollout sampler's kept sets, for sampling replay (the same names and meanings as the
-    keyword arguments of :func:`~logitless.linear_logprobs`); all None: no replay.
+    """What the rollout engine reports of its sampling (the same names and meanings as the
+    keyword arguments of :func:`~logitless.linear_logprobs`): its kept sets, for sampling
+    replay (all None: no replay), and its top-k log-probs, for the rollout-mismatch
+    diagnostics.
 
     sampling_mask: the engine's kept ids (a :class:`~logitless.SamplingMask`, or padded
         ``[*labels.shape, K]`` ids), or None.
     top_k, top_p, min_p: the sampler's parameters (a number, or a per-token tensor), replayed on
         the trainer's logits; not together with ``sampling_mask``.
     with_kept_mass: also report ``log_kept_mass``.
+    rollout_topk: the engine's top-k log-probs per position (a
+        :class:`~logitless.RolloutTopK`, checked with the call's tensors), or None: the call
+        then also reports the trainer's distribution against the engine's
+        (docs/rollout-mismatch.md).
     """
 
     sampling_mask: SamplingMask | torch.Tensor | None = None
@@ -247,6 +253,7 @@ class SamplerOptions:
     top_p: float | torch.Tensor | None = None
     min_p: float | torch.Tensor | None = None
     with_kept_mass: bool = False
+    rollout_topk: RolloutTopK | None = None
 
     def __post_init__(self) -> None:
         check_flag("with_kept_mass", self.with_kept_mass)
@@ -289,14 +296,16 @@ class SamplerOptions:
         unknown = sorted(set(given) - set(SamplerCallKwargs.__annotations__))
         if unknown:
             raise TypeError(f"{owner}.forward() got an unexpected keyword argument {unknown[0]!r}")
-        mask = given.get("sampling_mask")
+        mask, topk = given.get("sampling_mask"), given.get("rollout_topk")
         if mask is not None:
-            return SamplerOptions(sampling_mask=mask, with_kept_mass=self.with_kept_mass)
+            return SamplerOptions(
+                sampling_mask=mask, with_kept_mass=self.with_kept_mass, rollout_topk=topk
+            )
         params = {}
         for name in ("top_k", "top_p", "min_p"):
             value = given.get(name)
             params[name] = getattr(self, name) if value is None else value
-        out = SamplerOptions(**params)
+        out = SamplerOptions(**params, rollout_topk=topk)
         return dataclasses.replace(out, with_kept_mass=self.with_kept_mass and out.replaying)
 
     def describe(self) -> str:
@@ -304,7 +313,7 @@ class SamplerOptions:
         out = ""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None or value is False:
+            if value is None or value is False or f.name == "rollout_topk":
                 continue
             shown = f"tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
             out += f", {f.name}={shown}"
@@ -340,12 +349,14 @@ class HeadKwargs(TypedDict, total=False):
 class SamplerCallKwargs(TypedDict, total=False):
     """The sampler arguments one call of a module form may give (its ``forward``'s
     ``**sampler``; :meth:`SamplerOptions.for_call` reads them): a per-call sampling mask, or
-    per-call ``top_k`` / ``top_p`` / ``min_p`` (a scalar, or a tensor per row)."""
+    per-call ``top_k`` / ``top_p`` / ``min_p`` (a scalar, or a tensor per row), and the
+    engine's top-k log-probs of the call's positions (``rollout_topk``)."""
 
     sampling_mask: SamplingMask | torch.Tensor | None
     top_k: int | torch.Tensor | None
     top_p: float | torch.Tensor | None
     min_p: float | torch.Tensor | None
+    rollout_topk: RolloutTopK | None
 
 
 def stored_options(owner: str, options: Mapping[str, object]) -> tuple[HeadOptions, SamplerOptions]:

@@ -1,4 +1,6 @@
-"""What a truncating sampler kept: the kept token ids of each generated position.
+"""What a truncating sampler kept: the kept token ids of each generated position; and what
+the engine reported of its distribution there, its top-k log-probs (:class:`RolloutTopK`, the
+rollout-mismatch diagnostics, ``docs/rollout-mismatch.md``).
 
 When rollouts are sampled with top-k / top-p, the engine samples from the truncated,
 renormalized distribution over a kept set ``K`` of each position, and the log-probs it reports
@@ -29,7 +31,7 @@ import torch
 from .checks import INT_DTYPES as _INT_DTYPES
 from .checks import fmt_shape as _shape
 
-__all__ = ["SamplingMask"]
+__all__ = ["RolloutTopK", "SamplingMask"]
 
 
 class SamplingMask(NamedTuple):
@@ -107,3 +109,32 @@ class SamplingMask(NamedTuple):
             col = torch.arange(row.numel(), device=row.device) - self.offsets[:-1].long()[row]
             out[row, col] = self.token_ids.long()
         return out
+
+
+class RolloutTopK(NamedTuple):
+    """The rollout engine's top-k log-probs at each label position, as the engine returns them.
+
+    token_ids: ``[*labels.shape, k]`` integer global vocabulary ids; ``pad_id`` in the slots a
+        position does not use (``k`` may vary per position). The ids of a position are
+        distinct, in any order; the sampled token may be one of them.
+    logprobs: ``[*labels.shape, k]`` float32 / float64 log-probabilities of those ids under the
+        engine's distribution (``<= 0``; ``-inf`` is a probability of 0, as vLLM's processed
+        log-probs give the tokens its sampler masked); the values at unused slots are not read.
+    pad_id: the id of an unused slot (any other id outside ``[0, V)`` is an error).
+
+    A position whose slots are all unused is not compared (``RolloutMismatch.compared`` is
+    False there).
+
+    Example:
+        >>> import torch
+        >>> topk = RolloutTopK(
+        ...     token_ids=torch.tensor([[[5, 9], [2, -1]]]),         # [B=1, T=2, k=2]
+        ...     logprobs=torch.tensor([[[-0.1, -2.5], [-0.3, 0.0]]]),
+        ... )
+        >>> int((topk.token_ids != topk.pad_id).sum())
+        3
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    pad_id: int = -1

@@ -77,7 +77,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..contract.options import IGNORE_INDEX, HeadOptions
+from ..contract.options import IGNORE_INDEX, HeadOptions, SamplerOptions
+from ..contract.sampling import RolloutTopK
 from . import hf, seam
 from .hf import batch as hf_batch
 from .hf import model as hf_model
@@ -240,6 +241,7 @@ def verl_forward(
     batch_invariant: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    rollout_topk: RolloutTopK | None = None,
     **loss_kwargs: Any,
 ):
     """verl's fused forward, computed by logitless: ``CausalLMOutputForPPO(log_probs, entropy)``.
@@ -251,7 +253,14 @@ def verl_forward(
     backbone. Labels: ``shift_labels`` as given, else
     ``labels`` or ``input_ids`` rolled by -1 along the last dimension (verl's rule); positions
     where ``attention_mask`` is 0 hold 0.0. ``batch_invariant``: as in
-    :func:`logitless.linear_logprobs`.
+    :func:`logitless.linear_logprobs`. ``rollout_topk``: the rollout engine's top-k log-probs,
+    a :class:`logitless.RolloutTopK` of ``[*labels.shape, k]`` tensors laid out like the
+    labels (the packed row's ``[1, total_nnz, k]``; each Ulysses rank its own slice): the
+    output then also carries ``rollout_mismatch``, the
+    :class:`~logitless.types.RolloutMismatch` of every labelled position
+    (docs/rollout-mismatch.md). verl's engines do not pass it: verl 0.9's vLLM rollout asks
+    for the sampled token's log-prob only (``logprobs=0``); a recipe whose rollout keeps the
+    top-k adds it to the model inputs its engine builds.
 
     The head call is the seam's (:mod:`logitless.integrations.seam`), in its two phases: the
     labels, options and ``lm_head``'s parameters (stand-ins of a sharded weight) are checked
@@ -292,7 +301,8 @@ def verl_forward(
         batch_invariant=batch_invariant,
         head_dtype=hf_model.autocast_dtype(head.weight.device),
     )
-    prep = seam.prepare(labels, head, options, parallel=_ULYSSES)
+    sampler = SamplerOptions(rollout_topk=rollout_topk)
+    prep = seam.prepare(labels, head, options, sampler, parallel=_ULYSSES)
     # The backbone as verl's own fused forwards call it, no cache: a vision-language model's
     # ``model.model`` (verl's own forward of it after apply_monkey_patch) with its image inputs.
     backbone = model.model(
@@ -306,7 +316,10 @@ def verl_forward(
     tokens = seam.Tokens(backbone.last_hidden_state, labels)
     # as lm_head's forward where FSDP2 shards it apart: its parameters gathered for the call
     out = hf_model.with_head(model, lambda t, h: seam.logprobs(prep, t, h), tokens)
-    return CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
+    result = CausalLMOutputForPPO(log_probs=out.logprobs, entropy=out.entropy)
+    if out.mismatch is not None:  # an attribute, not a field: verl's engine reads the fields
+        object.__setattr__(result, "rollout_mismatch", out.mismatch)
+    return result
 
 
 #: The head's parallelism in verl's FSDP engine, with or without Ulysses: none of its own.

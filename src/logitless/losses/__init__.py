@@ -19,6 +19,7 @@ from .mismatch import sequence_mask, token_band_mask, truncated_is_sequence, tru
 from .normalizer import LossNormalizer, loss_normalizer
 from .policy import policy_loss
 from .ratio import sequence_log_ratio, token_log_ratio
+from .rollout_mismatch import MismatchMetrics, rollout_mismatch_metrics
 from .stats import DocumentStats, document_stats
 from .surrogates import (
     Surrogate,
@@ -33,6 +34,7 @@ from .surrogates import (
 __all__ = [
     "DocumentStats",
     "LossNormalizer",
+    "MismatchMetrics",
     "PolicyLossConfig",
     "Surrogate",
     "aggregation_weights",
@@ -53,6 +55,7 @@ __all__ = [
     "policy_loss",
     "ppo_clip_surrogate",
     "reinforce_surrogate",
+    "rollout_mismatch_metrics",
     "sapo_surrogate",
     "sequence_log_ratio",
     "sequence_mask",

@@ -13,6 +13,7 @@ from torch import nn
 
 from ...contract.divergence import DivergenceOptions
 from ...contract.options import IGNORE_INDEX, Backend, HeadOptions, SamplerOptions, given_arguments
+from ...contract.rollout import RolloutTopK
 from ...losses import LossNormalizer, PolicyLossConfig
 from ...sampling import SamplingMask
 from ...types import Divergence, LogProbs
@@ -218,6 +219,7 @@ def causal_lm_logprobs(
     capturable: bool = False,
     row_capacity: int | None = None,
     batch_invariant: bool = False,
+    rollout_topk: RolloutTopK | None = None,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of a transformers causal LM, without its logits.
@@ -263,6 +265,13 @@ def causal_lm_logprobs(
             and entropy are the same bits whatever else the batch holds, given the same
             hidden state (docs/head.md#batch-invariance). The backbone's own invariance is
             the model's (attention and matmul kernels chosen by batch shape are not).
+        rollout_topk: the rollout engine's top-k log-probs, a :class:`logitless.RolloutTopK`
+            of ``[B, T, k]`` tensors aligned like the targets (position ``t``: the engine's
+            distribution of the token ``target_ids[:, t]`` was sampled from); the result's
+            ``mismatch`` then compares the model's distribution with the engine's at every
+            labelled position, as in :func:`logitless.linear_logprobs`
+            (docs/rollout-mismatch.md); :func:`logitless.losses.rollout_mismatch_metrics`
+            reduces it per sequence and per batch.
         **model_kwargs: arguments of the model's backbone (``model.model``) and only of it,
             e.g. flash-attention's varlen ``cu_seq_lens_q`` / ``max_length_q``. transformers'
             backbones drop names they do not know, so a name of logitless's own that this

@@ -95,7 +95,8 @@ class Batch:
         gradient-accumulation ``fusion`` (:func:`~.gradients.with_grad_into`; ``shared``:
         the weight gets another gradient too). ``weight``: the weight the model will hand
         ``output_layer`` when it is not its own (an ``output_processor``'s tied weight).
-        ``sampler``: the rollout sampler's kept sets to replay (top-k / top-p), or None.
+        ``sampler``: the call's sampler options (the rollout sampler's kept sets to replay,
+        top-k / top-p; the rollout engine's top-k for the diagnostics), or None.
         Raises ``ValueError`` on every rank of the tensor- and context-parallel groups."""
         head = self.head
         weight = head_weight(head) if weight is None else weight

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ...contract.divergence import DivergenceOptions
-from ...contract.options import HeadOptions, given_arguments
+from ...contract.options import HeadOptions, SamplerOptions, given_arguments
+from ...contract.rollout import RolloutTopK
 from ...losses import LossNormalizer, PolicyLossConfig
 from ...types import Divergence, LogProbs
 from .. import seam
@@ -51,6 +52,7 @@ def logprobs(
     head_dtype: torch.dtype | None = None,
     batch_invariant: bool = False,
     gradient_accumulation_fusion: bool | None = None,
+    rollout_topk: RolloutTopK | None = None,
     **model_kwargs: Any,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of ``labels`` under ``model``: ``[B, S]`` fp32.
@@ -68,10 +70,16 @@ def logprobs(
     ``gradient_accumulation_fusion``: add the weight's gradient straight into the
     ``main_grad`` Megatron's DDP gave it, tile by tile, instead of returning a
     ``[V/tp, H]`` gradient (:func:`main_grad_into`; None: wherever DDP gave it an fp32
-    ``main_grad``).
+    ``main_grad``). ``rollout_topk``: the rollout engine's top-k log-probs, a
+    :class:`logitless.RolloutTopK` of ``[B, S, k]`` tensors laid out like ``labels`` (split
+    like them under context parallelism); the result's ``mismatch`` then compares the
+    model's distribution with the engine's at every labelled token (every tensor-parallel
+    rank gets the same values: each id's logit comes from the rank that holds it;
+    docs/rollout-mismatch.md).
     """
     batch = Batch.of(given)
-    prep = batch.prepare(HeadOptions.pick(given), gradient_accumulation_fusion)
+    sampler = SamplerOptions(rollout_topk=rollout_topk)
+    prep = batch.prepare(HeadOptions.pick(given), gradient_accumulation_fusion, sampler=sampler)
     return batch.run(lambda tokens, head: seam.logprobs(prep, tokens, head))
 
 

@@ -56,14 +56,14 @@ class CompletionLayout(NamedTuple):
     prompt: int  # P: padded prompt length
     completion: int  # C: padded completion length
 
-    def to_full(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, C] -> [B, P + C], column j at P - 1 + j (0 elsewhere)."""
-        out = x.new_zeros(x.shape[0], self.prompt + self.completion)
+    def to_full(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """[B, C, ...] -> [B, P + C, ...], column j at P - 1 + j (``fill`` elsewhere)."""
+        out = x.new_full((x.shape[0], self.prompt + self.completion, *x.shape[2:]), fill)
         out[:, self.prompt - 1 : self.prompt - 1 + self.completion] = x
         return out
 
     def to_trl(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, P + C] -> [B, C]."""
+        """[B, P + C, ...] -> [B, C, ...]."""
         return x[:, self.prompt - 1 : self.prompt - 1 + self.completion]
 
     def response_mask(self, mask: torch.Tensor) -> torch.Tensor:

@@ -68,13 +68,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ...contract.checks import check_flag
-from ...contract.options import HeadOptions
-from ...losses import LossNormalizer, PolicyLossConfig
+from ...contract.checks import check_flag, check_optional_int
+from ...contract.options import HeadOptions, SamplerOptions
+from ...contract.rollout import RolloutTopK
+from ...losses import LossNormalizer, PolicyLossConfig, rollout_mismatch_metrics
+from ...types import RolloutMismatch
 from .. import hf, seam
 from ..hf import model as hf_model
 from ..hf import vlm as hf_vlm
 from ..seam import Head, LossInputs, Prepared, Tokens
+from . import rollout as trl_rollout
 from .common import CompletionLayout, completion_batch, distributed_problem
 
 try:
@@ -475,6 +478,7 @@ class _Step(NamedTuple):
     mask: torch.Tensor
     ref: torch.Tensor | None
     entropies: torch.Tensor | None
+    mismatch: RolloutMismatch | None = None  # [B, C] diagnostics (rollout_topk), or None
 
 
 class _HeadStep(NamedTuple):
@@ -501,17 +505,65 @@ class LogitlessGRPOMixin:
     It overrides ``_get_per_token_logps_and_entropies`` and ``_compute_loss``; everything
     else (generation, rewards, advantages, logging) is the trainer's own.
 
-    One keyword of its own: ``batch_invariant=True`` runs every head call (the old policy's
+    Two keywords of its own: ``batch_invariant=True`` runs every head call (the old policy's
     and the reference's scoring, the loss) in logitless's batch-invariant mode, so a token's
     log-prob does not depend on the batch it is scored in and the ratio on unchanged weights
     is exactly 1.0 (docs/head.md#batch-invariance; the backbone's own invariance is the
-    model's).
+    model's). ``rollout_topk=k``: vLLM returns its top ``k`` log-probs of every generated
+    position (TRL's ``VLLMGeneration(logprobs=k)``; TRL itself asks for 0), and each loss step
+    logs how the policy's distribution differs from vLLM's (``rollout_mismatch/*``,
+    docs/rollout-mismatch.md), from the no-grad head pass it already makes; needs
+    ``use_vllm=True``, no ``rollout_func``, no tools.
     """
 
-    def __init__(self, *args: Any, batch_invariant: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        batch_invariant: bool = False,
+        rollout_topk: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.logitless_batch_invariant = check_flag("batch_invariant", batch_invariant)
+        self.logitless_rollout_topk = check_optional_int("rollout_topk", rollout_topk, minimum=1)
+        self._logitless_topk: tuple[list, list] | None = None
         super().__init__(*args, **kwargs)
         check_trainer(self)
+        if rollout_topk is not None and (self.tools or self.environment_factories):
+            raise _unsupported(
+                "rollout_topk with tools", "tool calls splice tokens the engine did not sample"
+            )
+
+    # ---- the rollout engine's top-k (rollout_topk): recorded where TRL calls vLLM
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any):
+        k = self.logitless_rollout_topk
+        if k is None:
+            return super()._generate_single_turn(*args, **kwargs)
+        if not self.use_vllm:
+            raise _unsupported(
+                "rollout_topk without use_vllm",
+                "only TRL's vLLM generation returns top-k log-probs",
+            )
+        with trl_rollout.recording(self.vllm_generation, k) as seen:
+            out = super()._generate_single_turn(*args, **kwargs)
+        self._logitless_topk = seen[-1]
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        self._logitless_topk = None
+        output = super()._generate_and_score_completions(inputs)
+        if self.logitless_rollout_topk is None:
+            return output
+        if self._logitless_topk is None:
+            raise _unsupported(
+                "rollout_topk with a rollout_func",
+                "TRL 1.16 hands a rollout function's extra fields to the reward functions only",
+            )
+        completions = output["completion_ids"]
+        ids, lps = trl_rollout.topk_tensors(*self._logitless_topk, completions.shape,
+                                            completions.device)  # fmt: skip
+        output["rollout_topk_ids"], output["rollout_topk_logprobs"] = ids, lps
+        return output
 
     # ---- the no-grad log-probs TRL takes when it scores completions (old policy, reference)
 
@@ -595,7 +647,12 @@ class LogitlessGRPOMixin:
                 head_dtype=hf_model.autocast_dtype(head.weight.device),  # lm_head's dtype
                 batch_invariant=self.logitless_batch_invariant,
             )
-            prep = seam.prepare(labels, head, options)  # before the backbone
+            sampler = None
+            if "rollout_topk_ids" in inputs:  # rollout_topk: the engine's top-k, [B, P + C, k]
+                topk = RolloutTopK(layout.to_full(inputs["rollout_topk_ids"], fill=-1),
+                                   layout.to_full(inputs["rollout_topk_logprobs"]))  # fmt: skip
+                sampler = SamplerOptions(rollout_topk=topk)
+            prep = seam.prepare(labels, head, options, sampler)  # before the backbone
             images = _check_multimodal({k: inputs.get(k) for k in _TRL_MULTIMODAL})
             images = _image_rows(images, slice(0, input_ids.shape[0]))
             backbone_in = hf_vlm.BackboneInputs(input_ids, attention_mask, None, images)
@@ -619,6 +676,9 @@ class LogitlessGRPOMixin:
             now = seam.logprobs(args.prep, Tokens(tokens.hidden.detach(), tokens.labels), head)
         logps = layout.to_trl(now.logprobs)  # [B, C]
         entropies = layout.to_trl(now.entropy)  # [B, C]
+        mismatch = None
+        if now.mismatch is not None:
+            mismatch = RolloutMismatch(*(layout.to_trl(t) for t in now.mismatch))
         old = inputs.get("old_per_token_logps")
         old = logps if old is None else old  # on-policy: π_old = sg(π_θ)
         advantages = step.advantages
@@ -643,11 +703,13 @@ class LogitlessGRPOMixin:
             ref_logprobs=None if ref is None else layout.to_full(ref.float()),
             rollout_logprobs=rollout,
         )
-        prep = args.prep.with_loss(loss_inputs, config, normalizer)
+        prep = dataclasses.replace(args.prep, call=args.prep.call.replace(rollout=None))
+        prep = prep.with_loss(loss_inputs, config, normalizer)
         loss, _ = seam.policy_loss(prep, tokens, head)
         return step._replace(
-            loss=loss, logps=logps, old=old, advantages=advantages, ref=ref, entropies=entropies
-        )
+            loss=loss, logps=logps, old=old, advantages=advantages, ref=ref, entropies=entropies,
+            mismatch=mismatch,
+        )  # fmt: skip
 
     def _logitless_advantages(
         self, opts: _Options, inputs, advantages, logps, old, entropies, mask
@@ -743,6 +805,22 @@ class LogitlessGRPOMixin:
         elif opts.loss_type == "cispo":
             clipped = ((ratio > opts.epsilon_high) & (advantages > 0)).float()
             metrics["cispo_clip_ratio"].append(global_mean(clipped))
+        if step.mismatch is not None:
+            self._logitless_log_mismatch(metrics, step.mismatch, mask)
+
+    def _logitless_log_mismatch(self, metrics, mismatch: RolloutMismatch, mask) -> None:
+        """``rollout_mismatch/*``: token means over every process's compared tokens, the worst
+        sequence of every process (:func:`logitless.losses.rollout_mismatch_metrics`)."""
+        found = rollout_mismatch_metrics(mismatch, mask.bool())
+        count = found.metrics["rollout_mismatch/tokens"]
+        for name, value in found.metrics.items():
+            if name.endswith("_seq_max"):
+                metrics[name].append(self.accelerator.gather(value[None]).max().item())
+            elif name.endswith("/tokens"):
+                metrics[name].append(self.accelerator.reduce(count, reduction="sum").item())
+            else:
+                totals = self.accelerator.reduce(torch.stack([value * count, count]), "sum")
+                metrics[name].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
 
 class LogitlessGRPOTrainer(LogitlessGRPOMixin, GRPOTrainer):

@@ -260,6 +260,12 @@ def check_loss_of_head(
             f"labels must have shape [N] or [B, T] (hidden [N, H] or [B, T, H]), got "
             f"{list(call.batch_shape)}"
         )
+    if call.rollout is not None:
+        raise ValueError(
+            "rollout_topk is not taken by the fused policy loss: its forward runs its own "
+            "schedule; pass rollout_topk to the log-prob pass (linear_logprobs, the old "
+            "log-probs of the integrations) and log its mismatch (docs/rollout-mismatch.md)"
+        )
     mask = (call.labels != call.ignore_index).reshape(call.batch_shape)
     like = torch.zeros(call.batch_shape, device=call.labels.device)
     config = loss_inputs.get("config")

@@ -16,6 +16,7 @@ from ...contract.options import (
     WeightGradInto,
     given_arguments,
 )
+from ...contract.rollout import RolloutTopK
 from ...contract.vocab import VocabParallel
 from ...sampling import SamplingMask
 from ...types import LogProbs
@@ -50,6 +51,7 @@ def linear_logprobs(
     row_capacity: int | None = None,
     batch_invariant: bool = False,
     weight_grad_into: WeightGradInto | None = None,
+    rollout_topk: RolloutTopK | None = None,
 ) -> LogProbs:
     """Log-probability of each label (and the entropy of each row) straight from hidden states.
 
@@ -137,6 +139,18 @@ def linear_logprobs(
             no ``[V, H]`` gradient tensor is allocated and ``weight`` gets no gradient through
             autograd (Megatron DDP's ``main_grad``; see docs/megatron.md). Not with sampling
             replay or under ``torch.compile``.
+        rollout_topk: the rollout engine's top-k log-probs per label position, a
+            :class:`~logitless.RolloutTopK` (``token_ids`` / ``logprobs`` ``[..., k]``, unused
+            slots ``pad_id``), as vLLM (``logprobs=k``) or SGLang (``top_logprobs_num``)
+            return them: the result's ``mismatch`` (a :class:`~logitless.types
+            .RolloutMismatch`) then compares the trainer's distribution (this call's: with
+            sampling replay, over the kept set) with the engine's at every position: the
+            trainer's log-probs of the engine's ids, KL both ways and the total variation on
+            the partition {each id, the rest} (lower bounds of their full-vocabulary values),
+            the trainer's mass on the ids, whether the two top-1 tokens agree. Computed in the
+            same forward (no ``[N, V]`` tensor, no second pass over the vocabulary); the
+            log-probs, entropy and gradients are the same bits as without it
+            (docs/rollout-mismatch.md). Not with ``capturable``.
 
     Returns:
         :class:`LogProbs` ``(logprobs, entropy)``: fp32 tensors of ``labels.shape`` (float64
@@ -144,7 +158,9 @@ def linear_logprobs(
         weight and bias in their own dtypes, from both outputs. With replay, a
         :class:`~logitless.types.ReplayLogProbs` (unpacks the same way) that also carries
         ``label_added`` (bool: the label was not in its kept set and was added),
-        ``kept_size`` (int64 ``|K|``) and ``log_kept_mass``.
+        ``kept_size`` (int64 ``|K|``) and ``log_kept_mass``. With ``rollout_topk``, a
+        :class:`~logitless.types.RolloutLogProbs` (or the ``ReplayLogProbs``) whose
+        ``mismatch`` holds the diagnostics.
 
     Raises:
         ValueError: on any shape, dtype, device or value problem, before any work.
@@ -180,7 +196,8 @@ def logprobs_of(
             "weight_grad_into is not supported under torch.compile: the compiled op returns "
             "the weight gradient to autograd"
         )
-    if options.vocab_parallel is None and not sampler.replaying and compiling:
+    plain = not sampler.replaying and sampler.rollout_topk is None
+    if options.vocab_parallel is None and plain and compiling:
         # Compiled code calls the op as one opaque custom op (same checks and kernels inside):
         # the checks' host read and the data-dependent row selection cannot be traced.
         from .compiled import linear_logprobs_op
@@ -197,5 +214,9 @@ def logprobs_of_call(call: HeadCall) -> LogProbs:
         from ..replay.op import replay_logprobs
 
         return replay_logprobs(call, rows)
+    if call.rollout is not None:
+        from ..rollout.mismatch import rollout_logprobs
+
+        return rollout_logprobs(call, rows)
     logp, ent = run_rows(kernel_batch(call, rows), kernel_options(call, rows.labels.numel()))
     return LogProbs(rows.scatter(logp), None if ent is None else rows.scatter(ent))

@@ -34,6 +34,7 @@ from ...backends.base import KernelOptions, RowBatch, RowStats, Upstream
 from ...contract.head import HeadCall
 from ...contract.replay import ReplayArgs
 from ...types import ReplayLogProbs
+from ..rollout import mismatch
 from ..rows import Rows, kernel_batch, kernel_options
 from .kept import Entries, KeptGrads, entry_grads
 from .sets import TruncatedRows, mask_rows, replayed_rows, take
@@ -120,11 +121,14 @@ def replay_forward(
     spec: ReplayArgs,
     *,
     keep_tile: bool = False,
+    probe: torch.Tensor | None = None,
 ) -> ReplayPlan:
     """Log-probs (and entropy) of M valid rows over their kept sets; a plan for backward.
 
     batch: the rows as the kernels take them (shard-local labels under vocab parallelism);
-    labels: [M] global ids; spec: the replay arguments of these M rows.
+    labels: [M] global ids; spec: the replay arguments of these M rows; probe: ``[M, K]``
+    shard-local ids the full rows' forward also reports (the rollout-mismatch diagnostics), or
+    None.
     """
     num_rows, dev = batch.hidden.shape[0], batch.hidden.device
     trunc, full, n_t = _split(spec.truncated())
@@ -138,7 +142,9 @@ def replay_forward(
     full_stats = full_opts = None
     if n_t < num_rows:
         full_opts = _subset_options(opts, num_rows - n_t, batch)
-        full_stats = backend_for(full_opts).forward_rows(batch.take(full), full_opts, keep_tile)
+        full_stats = backend_for(full_opts).forward_rows(
+            batch.take(full), full_opts, keep_tile, take(probe, full)
+        )
         _put(logp, full, full_stats.logp)
         _put(ent, full, full_stats.entropy)
 
@@ -253,10 +259,10 @@ class ReplayLogprobsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels_k, temp, labels, opts, spec, out):
+    def forward(ctx, hidden, weight, bias, labels_k, temp, labels, opts, spec, out, probe):
         keep = any(ctx.needs_input_grad[:3])
         batch = RowBatch(hidden, weight, bias, labels_k, temp)
-        plan = replay_forward(batch, labels, opts, spec, keep_tile=keep)
+        plan = replay_forward(batch, labels, opts, spec, keep_tile=keep, probe=probe)
         out.append(plan)
         ctx.plan, ctx.opts = plan, opts
         ctx.set_materialize_grads(False)
@@ -268,7 +274,7 @@ class ReplayLogprobsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp, grad_ent=None):
-        none = (None,) * 4
+        none = (None,) * 5
         if grad_logp is None and grad_ent is None:
             return (None, None, None, None, None) + none
         batch = RowBatch(*ctx.saved_tensors)
@@ -282,18 +288,52 @@ def replay_logprobs(call: HeadCall, rows: Rows) -> ReplayLogProbs:
     spec = restrict(call.replay, rows)
     batch = kernel_batch(call, rows)
     opts = kernel_options(call, rows.labels.numel())
+    rollout = None if call.rollout is None else call.rollout.take(rows.index)
+    probe = None if rollout is None else mismatch.probe_ids(rollout, call.vocab_parallel)
     if call.tracked:
         out: list[ReplayPlan] = []
-        res = ReplayLogprobsFunction.apply(*batch, rows.labels, opts, spec, out)
+        res = ReplayLogprobsFunction.apply(*batch, rows.labels, opts, spec, out, probe)
         logp, ent = res if opts.with_entropy else (res, None)
         plan = out[0]
     else:
-        plan = replay_forward(batch, rows.labels, opts, spec)
+        plan = replay_forward(batch, rows.labels, opts, spec, probe=probe)
         logp, ent = plan.logp, plan.ent
+    found = None
+    if rollout is not None:
+        with torch.no_grad():
+            trainer = _trainer_side(plan, rollout, probe, batch.weight.shape[0], opts)
+            found = mismatch.scatter(rows, mismatch.partition(trainer, rollout))
     return ReplayLogProbs(
         rows.scatter(logp),
         None if ent is None else rows.scatter(ent),
         label_added=rows.scatter(plan.label_added),
         kept_size=rows.scatter(plan.kept_size),
         log_kept_mass=None if plan.log_kept_mass is None else rows.scatter(plan.log_kept_mass),
+        mismatch=found,
     )
+
+
+def _trainer_side(
+    plan: ReplayPlan, rollout, probe: torch.Tensor, vocab: int, opts: KernelOptions
+) -> mismatch.TrainerSide:
+    """The trainer's distribution at the engine's ids of a replay call's M rows: the full rows'
+    from their forward's probe, the truncated rows' from their kept entries (``vocab``: this
+    shard's rows)."""
+    num, k = probe.shape
+    dev, cd = probe.device, opts.compute_dtype
+    lp = torch.zeros(num, k, device=dev, dtype=cd)
+    tail = torch.zeros(num, device=dev, dtype=cd)
+    top = torch.zeros(num, k, device=dev, dtype=torch.bool)
+    parts = []
+    if plan.full_stats is not None:
+        parts.append((plan.full, mismatch.of_probe(plan.full_stats.probe, rollout.take(plan.full))))
+    if plan.truncated is not None:
+        t = plan.truncated
+        side = mismatch.of_entries(
+            t.entries, t.lse, take(probe, plan.trunc), vocab, opts.vocab_parallel
+        )
+        parts.append((plan.trunc, side))
+    for idx, side in parts:
+        for dst, src in zip((lp, tail, top), side, strict=True):
+            _put(dst, idx, src.to(dst.dtype))
+    return mismatch.TrainerSide(lp, tail, top)
