@@ -325,6 +325,33 @@ def test_bad_input_names_the_argument(change, match):
         logitless.linear_logprobs(p.hidden, p.weight, p.labels, rollout_topk=change(p.topk))
 
 
+def test_checked_in_blocks(monkeypatch):
+    """The engine's top-k is checked a block of positions at a time (its temporaries bounded):
+    the same diagnostics bit for bit as one block, and an error past the first block names the
+    position in the whole call."""
+    import logitless.contract.rollout as checked
+
+    p = problem(shape=(3, 13), V=50, k=3)
+    whole = run(p, torch.float32)
+    monkeypatch.setattr(checked, "_CHECK_ROWS", 4)
+    blocks = run(p, torch.float32)
+    for name in FLOAT_FIELDS + BOOL_FIELDS:
+        assert torch.equal(getattr(blocks.mismatch, name),
+                           getattr(whole.mismatch, name)), name  # fmt: skip
+    ids = p.topk.token_ids.clone()
+    ids[2, 5, 1] = ids[2, 5, 0]  # position 2 * 13 + 5 = 31 keeps an id twice
+    with pytest.raises(ValueError, match=r"duplicate id: position 31 keeps"):
+        logitless.linear_logprobs(
+            p.hidden, p.weight, p.labels, rollout_topk=p.topk._replace(token_ids=ids)
+        )
+    lps = p.topk.logprobs.clone()
+    lps[1, 9] = -0.3  # position 22 sums to 3 x 0.74
+    with pytest.raises(ValueError, match=r"position 22 sums to"):
+        logitless.linear_logprobs(
+            p.hidden, p.weight, p.labels, rollout_topk=p.topk._replace(logprobs=lps)
+        )
+
+
 def test_what_is_not_bad_input():
     """A padded slot may hold anything, -inf is a probability of 0; not capturable."""
     p = problem(shape=(2, 5), V=50, k=3)

@@ -6,7 +6,7 @@ likely tokens (vLLM's ``logprobs=k``, which also adds the sampled token when it 
 them; SGLang's ``top_logprobs_num``). Given to a head call as ``rollout_topk=``, the call also
 reports how the trainer's next-token distribution differs from the engine's at each position
 (docs/rollout-mismatch.md). Every check runs before any FLOP and raises ``ValueError`` naming
-the argument, what was expected and what was given (one host read for the values).
+the argument, what was expected and what was given (a host read per 2048 positions).
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ def _tensors(topk: object, batch_shape: torch.Size, device: torch.device):
     return ids, lps, pad
 
 
+# Positions checked at once: bounds the check's [rows, k] temporaries (float64 values, the
+# duplicate scan's sorted keys) where a forward-only call's own peak is a few tiles.
+_CHECK_ROWS = 2048
+
+
 def check_rollout_topk(
     topk: object, batch_shape: torch.Size, device: torch.device, vocab_size: int
 ) -> RolloutRows:
@@ -98,23 +103,37 @@ def check_rollout_topk(
 
     ``vocab_size``: the global vocabulary. Ids must be distinct within a position and in
     ``[0, vocab_size)`` (or ``pad_id``); log-probs finite or ``-inf``, ``<= 0`` and each
-    position's probabilities summing to at most 1 (each beyond ``1e-3`` of rounding); one host
-    read, two when there are ids (the duplicate scan).
+    position's probabilities summing to at most 1 (each beyond ``1e-3`` of rounding). Checked
+    2048 positions at a time (one host read per block, two when it has ids); an error is
+    reported for the whole call (its positions counted from the first).
     """
     ids, lps, pad = _tensors(topk, batch_shape, device)
     n, k = math.prod(batch_shape), ids.shape[-1]
-    ids = ids.reshape(n, k).long()
+    ids, given = ids.reshape(n, k).long(), lps.reshape(n, k)
+    tail = torch.empty(n, dtype=torch.float64, device=device)
+    for r0 in range(0, n, _CHECK_ROWS):
+        r1 = min(r0 + _CHECK_ROWS, n)
+        try:
+            tail[r0:r1] = _checked_tail(ids[r0:r1], given[r0:r1], pad, vocab_size)
+        except ValueError:
+            _checked_tail(ids, given, pad, vocab_size)  # the message of the whole call
+            raise
+    if pad != -1:  # else the ids are kept as given: -1 marks the unused slots already
+        ids = torch.where(ids != pad, ids, -1)
+    return RolloutRows(ids, given, tail)
+
+
+def _checked_tail(ids: torch.Tensor, given: torch.Tensor, pad: int, vocab_size: int):
+    """``[R]`` float64 log of the engine's mass outside the ids of R positions (``ids``,
+    ``given`` ``[R, k]``), after their checks (``ValueError``)."""
+    n, k = ids.shape
     used = ids != pad
-    offsets = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
     offsets[1:] = used.sum(1).cumsum(0)
     check_csr_ids(ids[used], offsets, vocab_size, "rollout_topk")
-    given = lps.reshape(n, k)
     lps = torch.where(used, given.double(), -math.inf)
     bad = used & (torch.isnan(lps) | (lps > MASS_SLACK))
     rule = "log-probabilities (<= 0, or -inf; not NaN)"
     check_topk_values("rollout_topk", lps, bad, lps.exp().sum(1), rule)
     tail = torch.log(-torch.expm1(lps.clamp(max=0.0).logsumexp(1).clamp(max=0.0)))
-    tail = torch.where(used.sum(1) >= vocab_size, -math.inf, tail)
-    if pad != -1:  # else the ids are kept as given: -1 marks the unused slots already
-        ids = torch.where(used, ids, -1)
-    return RolloutRows(ids, given, tail)
+    return torch.where(used.sum(1) >= vocab_size, -math.inf, tail)
