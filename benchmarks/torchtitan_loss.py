@@ -66,7 +66,7 @@ def _loss_step(variant: str, args: argparse.Namespace):
     if variant == "chunked":
         loss_fn = ChunkedLossWrapper.Config(num_chunks=args.num_chunks, loss_fn=inner).build()
     else:
-        loss_fn = LogitlessLoss.Config(loss_fn=inner).build()
+        loss_fn = LogitlessLoss.Config(loss_fn=inner, chunk_size=args.chunk_size).build()
     g = torch.Generator().manual_seed(0)
     lm_head = torch.nn.Linear(args.hidden, args.vocab, bias=False)
     with torch.no_grad():
@@ -117,6 +117,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--loss", choices=("ce", "grpo"), default="ce")
     parser.add_argument("--num-chunks", type=int, default=8, help="ChunkedLossWrapper's chunks")
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="LogitlessLoss's chunk_size (None: its own)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--csv", type=Path, default=None, help="append the rows to this CSV")
@@ -164,8 +167,8 @@ def _floor_mb(args: argparse.Namespace) -> float:
 
 HEADER = [
     "timestamp", "variant", "loss", "tokens", "hidden", "vocab", "dtype", "threads", "repeats",
-    "num_chunks", "time_median_s", "peak_extra_mb", "grad_floor_mb", "hwm_mb", "machine",
-    "torch", "torchtitan",
+    "num_chunks", "chunk_size", "time_median_s", "peak_extra_mb", "grad_floor_mb", "hwm_mb",
+    "machine", "torch", "torchtitan",
 ]  # fmt: skip
 
 
@@ -191,6 +194,7 @@ def _append_csv(path: Path, rows: list[dict], args: argparse.Namespace) -> None:
                 [
                     stamp, r["variant"], args.loss, args.tokens, args.hidden, args.vocab,
                     "float32", args.threads, args.repeats, args.num_chunks,
+                    "" if args.chunk_size is None else args.chunk_size,
                     f"{r['time_median_s']:.4f}", f"{r['peak_extra_mb']:.1f}",
                     f"{_floor_mb(args):.1f}", f"{r['hwm_mb']:.1f}",
                     platform.processor() or platform.machine(), torch.__version__, version,

@@ -87,6 +87,32 @@ def test_matches_chunked_loss_wrapper_and_float64(case: Case):
         assert_no_worse_than_reference(scaled[what], ref_scaled, want[what], f"{what} scaled")
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.name)
+def test_chunk_size(case: Case, monkeypatch):
+    """``Config.chunk_size`` reaches the head's schedule (the rows of each pass) and leaves the
+    loss and gradients where the default's are: against the wrapper and float64."""
+    from logitless.backends.base import Schedule
+
+    seen = []
+    choose = Schedule.choose
+
+    def spy(num_rows, vocab, device, chunk_size, **kw):
+        seen.append(chunk_size)
+        return choose(num_rows, vocab, device, chunk_size, **kw)
+
+    monkeypatch.setattr(Schedule, "choose", staticmethod(spy))
+    d = data(case)
+    chunked, _ = losses(case)
+    want = truth(case, d)
+    mine = _run(LogitlessLoss.Config(loss_fn=case.inner, chunk_size=3).build(), case, d)
+    assert seen and set(seen) == {3}, seen
+    ref = _run(chunked, case, d)
+    for what in ("loss", "hidden", "weight"):
+        assert_no_worse_than_reference(mine[what], ref[what], want[what], what)
+    with pytest.raises(ValueError, match="chunk_size"):
+        LogitlessLoss.Config(loss_fn=case.inner, chunk_size=0).build()
+
+
 def test_forward_only_call():
     """Validation: hidden states without gradient (the wrapper then runs forward only)."""
     case = Case("ce", CrossEntropyLoss.Config())

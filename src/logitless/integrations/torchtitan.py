@@ -37,6 +37,7 @@ Bad input raises ``ValueError`` naming the option (``loss.loss_fn``, a missing l
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEn
 from torchtitan.config import CompileConfig
 
 from ..contract.collectives import rank_and_size
+from ..contract.options import HeadOptions
 from ..contract.vocab import VocabParallel
 from ..losses import PolicyLossConfig
 from . import seam
@@ -74,11 +76,16 @@ class LogitlessLoss(ChunkedLossWrapper):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ChunkedLossWrapper.Config):
-        pass
+        chunk_size: int | None = None
+        """Tokens per pass of the head (its ``[chunk_size, V / tp]`` fp32 buffer is the peak
+        beyond the gradients). None: logitless's own budget (on CPU 256 MiB: 441 tokens at
+        V=151936). Smaller lowers the peak and streams the weight more often; the loss does not
+        depend on it."""
 
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None) -> None:
         super().__init__(config, compile_config=compile_config)
         self._kind = _kind_of(self.loss_fn)
+        self._options = HeadOptions(chunk_size=config.chunk_size)  # refuses a bad chunk_size
         self._vocab: dict[tuple, VocabParallel] = {}
 
     def __call__(
@@ -109,11 +116,14 @@ class LogitlessLoss(ChunkedLossWrapper):
         labels = _local(labels)
         parallel = seam.Parallelism(vocab=vp)
         head = seam.Head(weight, bias)
+        prepare = functools.partial(
+            seam.prepare, head=head, options=self._options, parallel=parallel
+        )
         if self._kind == "ce":
-            return _cross_entropy(hidden, labels, head, parallel, global_valid_tokens)
+            return _cross_entropy(hidden, labels, head, prepare, global_valid_tokens)
         lo, hi = self.loss_fn.ratio_clip_low, self.loss_fn.ratio_clip_high
         inputs = {k: _local(v) for k, v in loss_inputs.items()}
-        return _dapo(hidden, labels, head, parallel, global_valid_tokens, inputs, (lo, hi))
+        return _dapo(hidden, labels, head, prepare, global_valid_tokens, inputs, (lo, hi))
 
     def _local_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, VocabParallel | None]:
         """The weight rows this rank holds, and its :class:`VocabParallel` (None: all rows)."""
@@ -206,19 +216,18 @@ def _local_hidden(pred: torch.Tensor, vocab_sharded: bool) -> torch.Tensor:
     return pred.to_local(grad_placements=grads)
 
 
-def _cross_entropy(hidden, labels, head, parallel, global_valid_tokens):
+def _cross_entropy(hidden, labels, head, prepare, global_valid_tokens):
     """torchtitan's ``cross_entropy_loss`` (sum over labels != IGNORE_INDEX) over
-    ``global_valid_tokens``."""
+    ``global_valid_tokens``. ``prepare(labels)``: ``seam.prepare`` with the head's options."""
     ones = torch.ones(labels.shape, device=labels.device)
-    prepared = seam.prepare(labels, head, parallel=parallel)
-    prepared = prepared.with_loss(seam.LossInputs(ones * 0, ones), _NLL)
+    prepared = prepare(labels).with_loss(seam.LossInputs(ones * 0, ones), _NLL)
     loss, _ = seam.policy_loss(prepared, seam.Tokens(hidden, labels), head)
     if global_valid_tokens is not None:
         loss = loss / global_valid_tokens
     return loss, {}
 
 
-def _dapo(hidden, labels, head, parallel, global_valid_tokens, inputs, clip):
+def _dapo(hidden, labels, head, prepare, global_valid_tokens, inputs, clip):
     """DAPOLoss (GRPOLoss: ``low == high``): the token mask, the clipped surrogate, the sum over
     ``max(global_valid_tokens, 1)``, and DAPO's metrics from the pass's own log-probs."""
     gen, adv = inputs["generator_logprobs"], inputs["advantages"]
@@ -229,8 +238,8 @@ def _dapo(hidden, labels, head, parallel, global_valid_tokens, inputs, clip):
         clip_low=clip[0], clip_high=clip[1], dual_clip=math.exp(_DAPO_MAX_LOG_RATIO),
         aggregation="token_sum",
     )  # fmt: skip
-    prepared = seam.prepare(labels, head, parallel=parallel)
-    prepared = prepared.with_loss(seam.LossInputs(old, adv.float()), config).with_entropy(True)
+    prepared = prepare(labels).with_loss(seam.LossInputs(old, adv.float()), config)
+    prepared = prepared.with_entropy(True)
     value, _, out = seam.policy_loss_and_logprobs(prepared, seam.Tokens(hidden, labels), head)
     denom = 1 if global_valid_tokens is None else max(global_valid_tokens, 1)
     loss = value / denom
