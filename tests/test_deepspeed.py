@@ -155,7 +155,7 @@ def _compare(kind, tied: bool, batch, world: int, mutate: bool = False, persiste
     base, t_base = _model(tied), _model(False, width=24, seed=1)
     if not mutate:
         truth_model = copy.deepcopy(base).double()
-        truth = _stock(kind, truth_model, t_base.double(), batch)
+        truth = _stock(kind, truth_model, copy.deepcopy(t_base).double(), batch)
         truth.backward()
         truth_grads = {}
         for n, p in truth_model.named_parameters():
