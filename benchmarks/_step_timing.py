@@ -1,4 +1,4 @@
-"""What the trainer-step benchmarks share (trl_step.py, verl_step.py): time one variant's step
+"""What the trainer-step benchmarks share (trl_step.py, verl_step.py, ...): time one variant's step
 in this process, and run each variant in a fresh process of its own.
 
 Imported by path: a script under benchmarks/ has this folder first on ``sys.path``.
@@ -52,3 +52,23 @@ def run_worker(script: str, marker: str, variant: str, argv: list[str]) -> dict:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise SystemExit(f"{variant} failed (exit {proc.returncode}):\n{tail}")
     return json.loads(lines[-1][len(marker) :])
+
+
+def append_rows(path, header: list[str], rows: list[list]) -> None:
+    """Append ``rows`` to the CSV at ``path`` (made with ``header`` where it does not exist);
+    a file with other columns stops the run."""
+    import csv
+    from pathlib import Path
+
+    path = Path(path)
+    new = not path.exists()
+    if not new:
+        with path.open(newline="") as f:
+            if next(csv.reader(f), []) != header:
+                raise SystemExit(f"{path} has other columns; use a new file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(header)
+        w.writerows(rows)

@@ -24,7 +24,6 @@ from the same run.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -33,7 +32,7 @@ import sys
 import types
 from pathlib import Path
 
-from _step_timing import run_worker, time_step
+from _step_timing import append_rows, run_worker, time_step
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "TORCHTITAN_LOSS_RESULT "
@@ -177,29 +176,19 @@ def _append_csv(path: Path, rows: list[dict], args: argparse.Namespace) -> None:
 
     import torch
 
-    new = not path.exists()
-    if not new:
-        with path.open(newline="") as f:
-            if next(csv.reader(f), []) != HEADER:
-                raise SystemExit(f"{path} has other columns; use a new file")
-    path.parent.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().isoformat(timespec="seconds")
     version = importlib.metadata.version("torchtitan")
-    with path.open("a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(HEADER)
-        for r in rows:
-            w.writerow(
-                [
-                    stamp, r["variant"], args.loss, args.tokens, args.hidden, args.vocab,
-                    "float32", args.threads, args.repeats, args.num_chunks,
-                    "" if args.chunk_size is None else args.chunk_size,
-                    f"{r['time_median_s']:.4f}", f"{r['peak_extra_mb']:.1f}",
-                    f"{_floor_mb(args):.1f}", f"{r['hwm_mb']:.1f}",
-                    platform.processor() or platform.machine(), torch.__version__, version,
-                ]
-            )  # fmt: skip
+    append_rows(path, HEADER, [
+        [
+            stamp, r["variant"], args.loss, args.tokens, args.hidden, args.vocab,
+            "float32", args.threads, args.repeats, args.num_chunks,
+            "" if args.chunk_size is None else args.chunk_size,
+            f"{r['time_median_s']:.4f}", f"{r['peak_extra_mb']:.1f}",
+            f"{_floor_mb(args):.1f}", f"{r['hwm_mb']:.1f}",
+            platform.processor() or platform.machine(), torch.__version__, version,
+        ]
+        for r in rows
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":
